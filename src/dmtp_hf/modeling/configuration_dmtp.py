@@ -1,0 +1,306 @@
+"""Configuration of the DMTP draft model.
+
+A DMTP draft is a DFlash draft (Qwen3-style decoder layers reading the target's hidden states as extra K/V)
+plus a small fusion module that injects the native MTP head's first candidate T1 and the MTP hidden state
+that predicted it. The config therefore is a Qwen3 config with two nested sections:
+
+* ``dflash_config``: exactly the keys DFlash checkpoints carry (``mask_token_id``, ``target_layer_ids``,
+  optionally ``block_size``/``num_target_layers`` and engine extras, which are preserved verbatim);
+* ``dmtp_config``: ``anchor_layout``, ``fusion``, ``num_candidates``, ``fusion_rank``, ``mtp_hidden_size``,
+  ``mtp_hidden_input`` and provenance (``target_model_type``, ``mtp_source``).
+
+Unmodified DFlash ``config.json`` files (``model_type: qwen3``, ``architectures: ["DFlashDraftModel"]``,
+``block_size`` at the top level or inside ``dflash_config``) load through :meth:`DMTPConfig.from_dict`.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from huggingface_hub.dataclasses import strict
+from transformers import Qwen3Config
+
+ANCHOR_LAYOUTS = ("dflash", "single", "dual")
+FUSIONS = ("none", "hidden_residual", "residual", "replace")
+# Blessed combinations (DESIGN.md §1); other single/dual combinations are allowed as ablations.
+DEFAULT_ANCHOR_LAYOUT = "dual"
+DEFAULT_FUSION = "residual"
+DEFAULT_NUM_CANDIDATES = 7
+MTP_HIDDEN_INPUTS = ("post_norm", "pre_norm")
+
+_DFLASH_ARCHITECTURES = ("DFlashDraftModel",)
+# Generic PreTrainedConfig keys that DFlash checkpoints do not carry.
+_HF_GENERIC_KEYS = (
+    "_name_or_path",
+    "id2label",
+    "label2id",
+    "chunk_size_feed_forward",
+    "is_encoder_decoder",
+    "output_attentions",
+    "output_hidden_states",
+    "problem_type",
+    "return_dict",
+)
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Default DFlash feature layers: evenly spaced between layer 1 and ``L - 3`` (the z-lab/SpecForge rule)."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+def is_dflash_config_dict(config_dict: dict[str, Any]) -> bool:
+    """True for a config written in the DFlash (z-lab / SpecForge) layout rather than by DMTP."""
+    if "dmtp_config" in config_dict:
+        return False
+    archs = config_dict.get("architectures") or []
+    return any(a in _DFLASH_ARCHITECTURES for a in archs) or "dflash_config" in config_dict
+
+
+@strict
+class DMTPConfig(Qwen3Config):
+    r"""Configuration of a [`DMTPDraftModel`]: the DFlash backbone plus the first-candidate fusion.
+
+    Backbone fields are those of [`~transformers.Qwen3Config`] (hidden size, layers, heads, RoPE, sliding
+    window, ...). DFlash and DMTP fields live in two nested dictionaries and are exposed as properties:
+
+    - ``mask_token_id`` / ``target_layer_ids`` (``dflash_config``): the target embedding row used for MASK slots
+      and the 0-based target layers whose outputs (``hidden_states[i + 1]``) form the context features.
+    - ``anchor_layout``: ``"dflash"`` (``[A, MASK x 7]``), ``"single"`` (``[T1, MASK x 6]``) or ``"dual"``
+      (``[A, T1, MASK x 6]``).
+    - ``fusion``: how the MTP hidden reaches T1's slot: ``"none"``, ``"hidden_residual"`` (low-rank),
+      ``"residual"`` (zero-initialised ``W[RMS(E(T1)); RMS(h)]`` added to ``E(T1)``) or ``"replace"``.
+    - ``num_candidates``: draft tokens proposed per round (T1..T7 by default, i.e. 7).
+
+    Example:
+
+    ```python
+    >>> from dmtp_hf import DMTPConfig
+    >>> config = DMTPConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    ...                     head_dim=16, intermediate_size=128, vocab_size=128, num_target_layers=4,
+    ...                     mask_token_id=127, target_layer_ids=[0, 2])
+    >>> config.anchor_layout, config.fusion, config.block_length
+    ('dual', 'residual', 8)
+    ```
+    """
+
+    model_type = "dmtp"
+
+    block_size: int = 16
+    num_target_layers: int | None = None
+    is_causal: bool | None = None
+    dflash_config: dict | None = None
+    dmtp_config: dict | None = None
+
+    def __post_init__(
+        self,
+        mask_token_id: int | None = None,
+        target_layer_ids: list[int] | None = None,
+        anchor_layout: str | None = None,
+        fusion: str | None = None,
+        num_candidates: int | None = None,
+        fusion_rank: int | None = None,
+        mtp_hidden_size: int | None = None,
+        mtp_hidden_input: str | None = None,
+        **kwargs,
+    ):
+        self.dflash_config = copy.deepcopy(self.dflash_config) if self.dflash_config else {}
+        self.dmtp_config = copy.deepcopy(self.dmtp_config) if self.dmtp_config else {}
+        # Newer DFlash checkpoints nest block_size / num_target_layers in dflash_config.
+        if "block_size" in self.dflash_config:
+            self.block_size = int(self.dflash_config.pop("block_size"))
+        if "num_target_layers" in self.dflash_config and self.num_target_layers is None:
+            self.num_target_layers = int(self.dflash_config.pop("num_target_layers"))
+        super().__post_init__(**kwargs)
+
+        explicit = {
+            "mask_token_id": mask_token_id,
+            "target_layer_ids": target_layer_ids,
+        }
+        for key, value in explicit.items():
+            if value is not None:
+                self.dflash_config[key] = value
+        if self.dflash_config.get("target_layer_ids") is None and self.num_target_layers is not None:
+            self.dflash_config["target_layer_ids"] = build_target_layer_ids(
+                self.num_target_layers, self.num_hidden_layers
+            )
+        dmtp_explicit = {
+            "anchor_layout": anchor_layout,
+            "fusion": fusion,
+            "num_candidates": num_candidates,
+            "fusion_rank": fusion_rank,
+            "mtp_hidden_size": mtp_hidden_size,
+            "mtp_hidden_input": mtp_hidden_input,
+        }
+        for key, value in dmtp_explicit.items():
+            if value is not None:
+                self.dmtp_config[key] = value
+        self.dmtp_config.setdefault("anchor_layout", DEFAULT_ANCHOR_LAYOUT)
+        self.dmtp_config.setdefault(
+            "fusion", "none" if self.dmtp_config["anchor_layout"] == "dflash" else DEFAULT_FUSION
+        )
+        self.dmtp_config.setdefault("num_candidates", DEFAULT_NUM_CANDIDATES)
+        self.dmtp_config.setdefault("fusion_rank", 64)
+        self.dmtp_config.setdefault("mtp_hidden_size", self.hidden_size)
+        self.dmtp_config.setdefault("mtp_hidden_input", "post_norm")
+        self.validate_dmtp()
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Validation
+
+    def validate_dmtp(self) -> None:
+        """Raise ``ValueError`` with a precise message for any inconsistent DFlash/DMTP field."""
+        layout, fusion = self.anchor_layout, self.fusion
+        if layout not in ANCHOR_LAYOUTS:
+            raise ValueError(f"Unknown anchor_layout {layout!r}; expected one of {ANCHOR_LAYOUTS}.")
+        if fusion not in FUSIONS:
+            raise ValueError(f"Unknown fusion {fusion!r}; expected one of {FUSIONS}.")
+        if layout == "dflash" and fusion != "none":
+            raise ValueError(
+                f"anchor_layout='dflash' has no T1 slot, so fusion must be 'none' (got {fusion!r})."
+            )
+        if self.mtp_hidden_input not in MTP_HIDDEN_INPUTS:
+            raise ValueError(
+                f"Unknown mtp_hidden_input {self.mtp_hidden_input!r}; expected one of {MTP_HIDDEN_INPUTS}."
+            )
+        n = self.num_candidates
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"num_candidates must be a positive integer, got {n!r}.")
+        if layout != "dflash" and n < 2:
+            raise ValueError(
+                f"anchor_layout={layout!r} needs num_candidates >= 2 (T1 from MTP + DFlash slots)."
+            )
+        ids = self.target_layer_ids
+        if ids is not None:
+            if not ids or any(not isinstance(i, int) or i < 0 for i in ids):
+                raise ValueError(f"target_layer_ids must be non-negative integers, got {ids!r}.")
+            if self.num_target_layers is not None and max(ids) >= self.num_target_layers:
+                raise ValueError(
+                    f"target_layer_ids {ids} out of range for num_target_layers={self.num_target_layers}."
+                )
+        if self.mask_token_id is not None and not 0 <= self.mask_token_id:
+            raise ValueError(f"mask_token_id must be >= 0, got {self.mask_token_id}.")
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Nested fields as attributes (settable, so `from_pretrained(path, anchor_layout="dflash")` works)
+
+    @property
+    def mask_token_id(self) -> int | None:
+        """Target embedding row used for the MASK slots."""
+        return self.dflash_config.get("mask_token_id")
+
+    @mask_token_id.setter
+    def mask_token_id(self, value: int) -> None:
+        self.dflash_config["mask_token_id"] = value
+
+    @property
+    def target_layer_ids(self) -> list[int] | None:
+        """0-based target layers whose outputs (``hidden_states[i + 1]``) are the context features."""
+        return self.dflash_config.get("target_layer_ids")
+
+    @target_layer_ids.setter
+    def target_layer_ids(self, value: list[int]) -> None:
+        self.dflash_config["target_layer_ids"] = list(value)
+
+    def _dmtp_property(name: str, doc: str):  # noqa: N805 - class-body helper
+        def getter(self):
+            return self.dmtp_config.get(name)
+
+        def setter(self, value):
+            self.dmtp_config[name] = value
+            if name == "anchor_layout" and value == "dflash":
+                self.dmtp_config["fusion"] = "none"
+            self.validate_dmtp()
+
+        return property(getter, setter, doc=doc)
+
+    anchor_layout = _dmtp_property("anchor_layout", "Block layout: 'dflash', 'single' or 'dual'.")
+    fusion = _dmtp_property("fusion", "T1 fusion: 'none', 'hidden_residual', 'residual' or 'replace'.")
+    num_candidates = _dmtp_property("num_candidates", "Draft tokens proposed per round (default 7).")
+    fusion_rank = _dmtp_property("fusion_rank", "Rank of the low-rank 'hidden_residual' fusion.")
+    mtp_hidden_size = _dmtp_property("mtp_hidden_size", "Width of the MTP hidden state fed to the fusion.")
+    mtp_hidden_input = _dmtp_property(
+        "mtp_hidden_input", "Which target hidden the MTP head reads: 'post_norm' (default) or 'pre_norm'."
+    )
+    del _dmtp_property
+
+    @property
+    def num_context_features(self) -> int:
+        """Number of target layers concatenated into the context features (``fc`` input = this x hidden)."""
+        return len(self.target_layer_ids or [])
+
+    @property
+    def block_length(self) -> int:
+        """Slots per drafting block at inference: 8 for every layout with 7 candidates except ``single`` (7)."""
+        n = self.num_candidates
+        return {"dflash": n + 1, "single": n, "dual": n + 1}[self.anchor_layout]
+
+    @property
+    def block_offset(self) -> int:
+        """Position of the block's first slot relative to A (the last emitted token)."""
+        return 1 if self.anchor_layout == "single" else 0
+
+    @property
+    def first_predicted_slot(self) -> int:
+        """Index of the first slot whose output is a draft proposal (MASK slots only)."""
+        return {"dflash": 1, "single": 1, "dual": 2}[self.anchor_layout]
+
+    # ----------------------------------------------------------------------------------------------------------
+    # DFlash compatibility
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs) -> DMTPConfig:
+        """Build from a DMTP or an unmodified DFlash ``config.json`` dictionary."""
+        config_dict = dict(config_dict)
+        if is_dflash_config_dict(config_dict):
+            config_dict["_loaded_from_dflash"] = True
+        config_dict.pop("model_type", None)
+        config_dict.pop("auto_map", None)
+        config_dict["architectures"] = ["DMTPDraftModel"]
+        return super().from_dict(config_dict, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs) -> DMTPConfig:
+        """Load a DMTP or DFlash ``config.json`` (local folder or Hub repo) without the model-type warning."""
+        config_dict, kwargs = cls.get_config_dict(pretrained_model_name_or_path, **kwargs)
+        return cls.from_dict(config_dict, **kwargs)
+
+    @property
+    def loaded_from_dflash(self) -> bool:
+        """True when this config was read from a DFlash checkpoint (no fusion weights to expect)."""
+        return bool(getattr(self, "_loaded_from_dflash", False))
+
+    def to_dflash_dict(self) -> dict[str, Any]:
+        """The config as a DFlash ``config.json`` (``model_type: qwen3``), as z-lab and SpecForge write it."""
+        out = self.to_dict()
+        for key in (
+            "dmtp_config",
+            "_loaded_from_dflash",
+            "transformers_version",
+            "auto_map",
+            *_HF_GENERIC_KEYS,
+        ):
+            out.pop(key, None)
+        if out.get("is_causal") is None:
+            out.pop("is_causal", None)
+        out["model_type"] = "qwen3"
+        out["architectures"] = ["DFlashDraftModel"]
+        dflash = dict(out.get("dflash_config") or {})
+        out["dflash_config"] = dflash
+        out["block_size"] = self.block_size
+        if self.num_target_layers is not None:
+            out["num_target_layers"] = self.num_target_layers
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """Serialise, dropping the private loading marker."""
+        out = super().to_dict()
+        out.pop("_loaded_from_dflash", None)
+        return out
+
+
+__all__ = ["DMTPConfig", "build_target_layer_ids", "is_dflash_config_dict", "ANCHOR_LAYOUTS", "FUSIONS"]

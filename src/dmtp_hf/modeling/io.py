@@ -1,0 +1,65 @@
+"""Checkpoint files: atomic writes and the DFlash (z-lab / SpecForge) on-disk layout."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors.torch import save_file
+
+if TYPE_CHECKING:
+    from .modeling_dmtp import DMTPDraftModel
+
+
+@contextlib.contextmanager
+def atomic_directory(final_dir: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary sibling directory that replaces ``final_dir`` only once the block succeeds.
+
+    An interrupted write leaves the previous ``final_dir`` (if any) intact and no half-written checkpoint.
+    """
+    final = Path(final_dir)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        yield tmp
+        old = None
+        if final.exists():
+            old = final.with_name(f".{final.name}.old-{os.getpid()}")
+            os.replace(final, old)
+        os.replace(tmp, final)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def backbone_state_dict(model: DMTPDraftModel) -> dict[str, torch.Tensor]:
+    """The DFlash tensors of ``model`` (no ``fusion.*``, no rotary buffers), contiguous and detached."""
+    return {
+        name: tensor.detach().contiguous()
+        for name, tensor in model.state_dict().items()
+        if not name.startswith("fusion.") and "rotary_emb" not in name
+    }
+
+
+def save_dflash_checkpoint(
+    model: DMTPDraftModel, save_directory: str | os.PathLike, dtype: torch.dtype | None = None
+) -> None:
+    """Write ``config.json`` + ``model.safetensors`` exactly in the DFlash layout (unprefixed keys)."""
+    state = backbone_state_dict(model)
+    if dtype is not None:
+        state = {k: v.to(dtype) for k, v in state.items()}
+    config: dict[str, Any] = model.config.to_dflash_dict()
+    if dtype is not None:
+        config["dtype"] = str(dtype).removeprefix("torch.")
+    with atomic_directory(save_directory) as tmp:
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,668 @@
+"""The DMTP draft model: a DFlash backbone plus the first-candidate (T1) fusion.
+
+Read top to bottom:
+
+1. ``dflash_visibility``: who may attend to whom (one rule for inference and training).
+2. ``DMTPAttention`` / ``DMTPDecoderLayer``: Qwen3 decoder layers whose K/V are ``[context ; block]``: the
+   projected target features are injected as extra keys/values in every layer, the block attends to itself
+   bidirectionally (causally in sliding layers unless ``is_causal`` says otherwise).
+3. ``FirstCandidateFusion``: how the MTP hidden that predicted T1 reaches T1's slot (DESIGN.md §1 table).
+4. ``DMTPDraftModel``: the checkpoint. ``forward`` runs the backbone on already-embedded slots;
+   ``block_embeddings`` builds the slots of a round for the configured layout; ``bind`` attaches the target
+   (its frozen embedding and LM head are used, never copied).
+
+Shapes: ``B`` batch, ``Q`` block slots, ``C`` context positions, ``H`` hidden size, ``k`` target feature layers.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers import initialization as init
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3MLP,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+    eager_attention_forward,
+    rotate_half,
+)
+
+from .configuration_dmtp import DMTPConfig
+
+# ----------------------------------------------------------------------------------------------------------------
+# 1. Visibility
+
+
+def dflash_visibility(
+    query_positions: torch.Tensor,
+    query_blocks: torch.Tensor,
+    query_context_end: torch.Tensor,
+    key_positions: torch.Tensor,
+    key_blocks: torch.Tensor,
+    *,
+    causal: bool = False,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Whether each query may attend to each key (broadcasting; ``True`` = visible).
+
+    Keys are either *context* (``key_blocks < 0``: projected target features) or *block* slots (``key_blocks``
+    = the block index). A context key is visible iff its position is strictly before the query's block anchor
+    (``query_context_end``: the target has not processed the anchor A yet, the classic bug is ``<=``). A block
+    key is visible iff it belongs to the query's own block (bidirectional; ``causal`` restricts to
+    ``key_pos <= query_pos``). ``window`` (sliding layers) additionally requires ``query_pos - key_pos < window``
+    and, for bidirectional layers, ``key_pos - query_pos < window``.
+
+    The same function builds dense SDPA/eager masks and serves as a FlexAttention ``mask_mod`` body.
+    """
+    is_context = key_blocks < 0
+    visible = torch.where(is_context, key_positions < query_context_end, key_blocks == query_blocks)
+    if causal:
+        visible = visible & (is_context | (key_positions <= query_positions))
+    if window is not None:
+        visible = visible & (query_positions - key_positions < window)
+        if not causal:
+            visible = visible & (key_positions - query_positions < window)
+    return visible
+
+
+def attention_mask_for_implementation(
+    visible: torch.Tensor | None, attn_implementation: str, dtype: torch.dtype
+) -> torch.Tensor | None:
+    """Turn a boolean ``[B, 1, Q, K]`` visibility mask into what the selected attention kernel expects."""
+    if visible is None:
+        return None
+    if attn_implementation == "sdpa":
+        return visible
+    if "flash" in attn_implementation:
+        if bool(visible.all()):
+            return None
+        raise NotImplementedError(
+            "flash-attn cannot express DFlash's block/context visibility mask; use attn_implementation='sdpa' "
+            "or 'flex_attention' for masked (training or sliding-window) forwards."
+        )
+    # eager and flex (score_mod) take an additive mask
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(
+        ~visible, torch.finfo(dtype).min
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 2. Backbone
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
+
+
+class DMTPAttention(nn.Module):
+    """Qwen3 attention whose keys/values are ``[context ; block]``, with the same projections for both.
+
+    The context vectors (projected target features) skip the layer norm and the MLP: they only provide K/V.
+    Only context K/V are cached: block K/V are recomputed every round, so the cache never holds draft tokens.
+    """
+
+    def __init__(self, config: DMTPConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.layer_type = config.layer_types[layer_idx]
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        sliding = self.layer_type == "sliding_attention"
+        self.sliding_window = config.sliding_window if sliding else None
+        # Newest DFlash rule: top-level `is_causal` wins, else sliding layers are causal within the block.
+        self.block_causal = config.is_causal if config.is_causal is not None else sliding
+        self.is_causal = False  # read by HF attention kernels: never a plain causal mask
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,  # [B, Q, H] normed block slots
+        context: torch.Tensor | None,  # [B, C_new, H] projected target features (new positions only)
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],  # cos/sin for [C_new + Q] positions
+        attention_mask: torch.Tensor | None,
+        cache: Cache | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        bsz, q_len, _ = hidden_states.shape
+        kv_input = hidden_states if context is None else torch.cat([context, hidden_states], dim=1)
+        kv_len = kv_input.shape[1]
+
+        query = self.q_norm(self.q_proj(hidden_states).view(bsz, q_len, -1, self.head_dim)).transpose(1, 2)
+        key = self.k_norm(self.k_proj(kv_input).view(bsz, kv_len, -1, self.head_dim)).transpose(1, 2)
+        value = self.v_proj(kv_input).view(bsz, kv_len, -1, self.head_dim).transpose(1, 2)
+
+        cos, sin = position_embeddings
+        query = _apply_rope(query, cos[:, -q_len:], sin[:, -q_len:])
+        key = _apply_rope(key, cos, sin)
+
+        if cache is not None:
+            # Persist only the context part; the block part is appended locally.
+            ctx_len = kv_len - q_len
+            ctx_key, ctx_value = cache.update(key[:, :, :ctx_len], value[:, :, :ctx_len], self.layer_idx)
+            key = torch.cat([ctx_key, key[:, :, ctx_len:]], dim=2)
+            value = torch.cat([ctx_value, value[:, :, ctx_len:]], dim=2)
+
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attn_output, _ = attention_interface(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            is_causal=False,
+            **kwargs,
+        )
+        attn_output = attn_output.reshape(bsz, q_len, -1).contiguous()
+        return self.o_proj(attn_output)
+
+
+class DMTPDecoderLayer(GradientCheckpointingLayer):
+    """A Qwen3 pre-norm decoder layer whose attention also reads the target context as K/V."""
+
+    def __init__(self, config: DMTPConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = DMTPAttention(config, layer_idx)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        context: torch.Tensor | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        residual = hidden_states
+        hidden_states = self.self_attn(
+            self.input_layernorm(hidden_states),
+            context,
+            position_embeddings,
+            attention_mask,
+            cache=cache,
+            **kwargs,
+        )
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
+        return residual + hidden_states
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 3. First-candidate fusion
+
+
+class FirstCandidateFusion(nn.Module):
+    """Injects the MTP hidden that predicted T1 into T1's input slot (DESIGN.md §1).
+
+    ``residual``:        ``E(T1) + W [RMS_e(E(T1)); RMS_m(h)]``, ``W`` zero-initialised (the main method)
+    ``replace``:         ``W [RMS_e(E(T1)); RMS_m(h)]``, ``W`` initialised to pass ``RMS_e(E(T1))`` through
+    ``hidden_residual``: ``E(T1) + Up(Down(RMS_m(h)))``, ``Up`` zero-initialised (low rank)
+    ``none``:            ``E(T1)``
+
+    ``h`` is detached: the MTP head is frozen and receives no gradient through the fusion.
+    """
+
+    def __init__(self, config: DMTPConfig):
+        super().__init__()
+        self.mode = config.fusion
+        hidden, mtp_hidden = config.hidden_size, config.mtp_hidden_size
+        if self.mode in ("residual", "replace"):
+            self.embedding_norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
+            self.mtp_norm = Qwen3RMSNorm(mtp_hidden, eps=config.rms_norm_eps)
+            self.proj = nn.Linear(hidden + mtp_hidden, hidden, bias=False)
+        elif self.mode == "hidden_residual":
+            self.mtp_norm = Qwen3RMSNorm(mtp_hidden, eps=config.rms_norm_eps)
+            self.down = nn.Linear(mtp_hidden, config.fusion_rank, bias=False)
+            self.up = nn.Linear(config.fusion_rank, hidden, bias=False)
+
+        # Read by DMTPPreTrainedModel._init_weights: the documented initialisation of each fusion.
+        if self.mode == "residual":
+            self.proj._dmtp_init = "zeros"
+        elif self.mode == "replace":
+            self.proj._dmtp_init = "pass_embedding"
+        elif self.mode == "hidden_residual":
+            self.up._dmtp_init = "zeros"
+
+    def is_noop(self) -> bool:
+        """Whether the fusion returns ``E(T1)`` unchanged (zero residual), so dropping it loses nothing."""
+        if self.mode == "none":
+            return True
+        if self.mode == "residual":
+            return not bool(self.proj.weight.any())
+        if self.mode == "hidden_residual":
+            return not bool(self.up.weight.any())
+        return False  # 'replace' never reproduces E(T1) exactly
+
+    def forward(self, t1_embeds: torch.Tensor, mtp_hidden: torch.Tensor | None) -> torch.Tensor:
+        """``t1_embeds`` ``[B, H]`` = E(T1); ``mtp_hidden`` ``[B, H_mtp]`` = the MTP hidden that predicted T1."""
+        if self.mode == "none":
+            return t1_embeds
+        if mtp_hidden is None:
+            raise ValueError(f"fusion={self.mode!r} needs the MTP hidden state that predicted T1.")
+        mtp_hidden = mtp_hidden.detach().to(t1_embeds.dtype)
+        if self.mode == "hidden_residual":
+            return t1_embeds + self.up(self.down(self.mtp_norm(mtp_hidden)))
+        fused = self.proj(torch.cat([self.embedding_norm(t1_embeds), self.mtp_norm(mtp_hidden)], dim=-1))
+        return t1_embeds + fused if self.mode == "residual" else fused
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 4. The checkpoint
+
+
+class DMTPPreTrainedModel(PreTrainedModel):
+    """Weight initialisation and HF capabilities shared by DMTP models."""
+
+    config_class = DMTPConfig
+    config: DMTPConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["DMTPDecoderLayer"]
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+    # DFlash checkpoints sometimes ship copies of the target's embedding/LM head (e.g. early Qwen3.6 previews).
+    _keys_to_ignore_on_load_unexpected = [
+        r"(^|\.)embed_tokens\.weight$",
+        r"(^|\.)lm_head\.weight$",
+        r"rotary_emb",
+    ]
+    # DFlash checkpoints carry no fusion; `from_pretrained` checks missing tensors itself, strictly.
+    _keys_to_ignore_on_load_missing = [r"^fusion\."]
+
+    def _init_weights(self, module: nn.Module) -> None:
+        special = getattr(module, "_dmtp_init", None)
+        if special == "zeros":  # residual fusions start as an exact no-op
+            init.zeros_(module.weight)
+        elif special == "pass_embedding":  # 'replace' starts as RMS_e(E(T1)): identity on the embedding half
+            hidden = module.weight.shape[0]
+            eye = torch.zeros(module.weight.shape, dtype=module.weight.dtype, device=module.weight.device)
+            eye[:, :hidden] = torch.eye(hidden, dtype=eye.dtype, device=eye.device)
+            init.copy_(module.weight, eye)
+        else:
+            super()._init_weights(module)
+
+
+class DMTPDraftModel(DMTPPreTrainedModel):
+    """DFlash-style parallel drafter conditioned on the native MTP head's first candidate.
+
+    The model owns no embedding and no LM head: it uses the bound target's (see :meth:`bind`). Keys are
+    unprefixed, as in DFlash checkpoints: ``fc``, ``hidden_norm``, ``layers.{i}.*``, ``norm`` and ``fusion.*``.
+
+    Example:
+
+    ```python
+    target = AutoModelForCausalLM.from_pretrained(target_path)
+    draft = DMTPDraftModel.from_pretrained(draft_path, target=target)
+    block = draft.block_embeddings(anchor_ids, t1_ids, mtp_hidden)              # [B, 8, H]
+    hidden = draft(block, context_features, position_ids, cache=cache).last_hidden_state
+    logits = draft.compute_logits(hidden[:, draft.config.first_predicted_slot :])  # T2..T7
+    ```
+    """
+
+    def __init__(self, config: DMTPConfig):
+        super().__init__(config)
+        config.validate_dmtp()
+        hidden = config.hidden_size
+        self.fc = nn.Linear(config.num_context_features * hidden, hidden, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.layers = nn.ModuleList([DMTPDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config=config)
+        self.fusion = FirstCandidateFusion(config) if config.anchor_layout != "dflash" else None
+        self._target: nn.Module | None = None
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Target binding
+
+    @property
+    def target(self) -> nn.Module:
+        """The bound target model (not a submodule: it is neither saved nor moved with the draft)."""
+        if self._target is None:
+            raise RuntimeError("This DMTP draft is not bound to a target; call `draft.bind(target)` first.")
+        return self._target
+
+    def bind(self, target: nn.Module) -> DMTPDraftModel:
+        """Attach the target whose frozen embedding and LM head the draft uses, after checking compatibility.
+
+        Raises ``ValueError`` naming the mismatch: hidden size, vocabulary, ``target_layer_ids`` out of range,
+        ``num_target_layers`` different from the target's depth, or a mask token outside the target embedding.
+        """
+        check_draft_target_compatibility(self.config, target)
+        self.__dict__["_target"] = target  # bypass nn.Module registration on purpose
+        return self
+
+    @property
+    def target_embedding(self) -> nn.Module:
+        """The target's input embedding."""
+        return self.target.get_input_embeddings()
+
+    @property
+    def target_head(self) -> nn.Module:
+        """The target's output head."""
+        return self.target.get_output_embeddings()
+
+    def get_input_embeddings(self) -> nn.Module | None:
+        """The bound target's embedding, or ``None`` when unbound (the draft has none of its own)."""
+        return self._target.get_input_embeddings() if self._target is not None else None
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Inputs and outputs of a round
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Target embedding of ``input_ids`` times ``dflash_config.input_embedding_scale`` (default 1)."""
+        embeds = self.target_embedding(input_ids)
+        scale = self.config.dflash_config.get("input_embedding_scale")
+        return embeds * scale if scale not in (None, 1, 1.0) else embeds
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Draft logits through the target LM head, with DFlash's optional output multiplier and softcap."""
+        logits = self.target_head(hidden_states)
+        multiplier = self.config.dflash_config.get("output_multiplier")
+        if multiplier not in (None, 1, 1.0):
+            logits = logits * multiplier
+        softcap = self.config.dflash_config.get("final_logit_softcapping")
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
+        return logits
+
+    def block_embeddings(
+        self,
+        anchor_ids: torch.Tensor,  # [B]   A, the last emitted token
+        t1_ids: torch.Tensor | None = None,  # [B]   T1 from the MTP head (unused by 'dflash')
+        mtp_hidden: torch.Tensor | None = None,  # [B, H_mtp] the MTP hidden that predicted T1
+    ) -> torch.Tensor:
+        """The input slots of one drafting block for the configured layout, ``[B, block_length, H]``.
+
+        ``dflash``: ``[E(A), E(MASK) x n]``; ``single``: ``[fuse(E(T1)), E(MASK) x (n-1)]``;
+        ``dual``: ``[E(A), fuse(E(T1)), E(MASK) x (n-1)]``.
+        """
+        layout, n = self.config.anchor_layout, self.config.num_candidates
+        num_masks = n if layout == "dflash" else n - 1
+        mask_ids = torch.full(
+            (anchor_ids.shape[0], num_masks),
+            self.config.mask_token_id,
+            dtype=torch.long,
+            device=anchor_ids.device,
+        )
+        if layout == "dflash":
+            return self.embed(torch.cat([anchor_ids[:, None], mask_ids], dim=1))
+        if t1_ids is None:
+            raise ValueError(f"anchor_layout={layout!r} needs the first candidate T1.")
+        lead = [anchor_ids[:, None], t1_ids[:, None]] if layout == "dual" else [t1_ids[:, None]]
+        embeds = self.embed(torch.cat([*lead, mask_ids], dim=1))
+        t1_slot = 1 if layout == "dual" else 0
+        fused_t1 = self.fusion(embeds[:, t1_slot], mtp_hidden)
+        return torch.cat([embeds[:, :t1_slot], fused_t1[:, None], embeds[:, t1_slot + 1 :]], dim=1)
+
+    def block_position_ids(self, anchor_positions: torch.Tensor) -> torch.Tensor:
+        """Absolute positions of the block slots, ``[B, block_length]``, given A's position ``[B]``."""
+        offsets = torch.arange(self.config.block_length, device=anchor_positions.device)
+        return anchor_positions[:, None] + self.config.block_offset + offsets
+
+    def project_context(self, context_features: torch.Tensor) -> torch.Tensor:
+        """``[B, C, k*H]`` concatenated target hidden states -> ``hidden_norm(fc(.))`` ``[B, C, H]``."""
+        expected = self.fc.in_features
+        if context_features.shape[-1] != expected:
+            raise ValueError(
+                f"context_features has width {context_features.shape[-1]} but fc expects {expected} "
+                f"({self.config.num_context_features} target layers x hidden {self.config.hidden_size})."
+            )
+        return self.hidden_norm(self.fc(context_features.to(self.fc.weight.dtype)))
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Forward
+
+    def forward(
+        self,
+        inputs_embeds: torch.Tensor,
+        context_features: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | dict[str, Any] | None = None,
+        cache: Cache | None = None,
+        use_cache: bool = False,
+        context_is_projected: bool = False,
+        **kwargs: Any,
+    ) -> BaseModelOutputWithPast:
+        """Run the backbone on block slots.
+
+        Args:
+            inputs_embeds: ``[B, Q, H]`` block slot embeddings (see :meth:`block_embeddings`).
+            context_features: ``[B, C_new, k*H]`` target features of positions not yet in ``cache`` (or ``None``).
+            position_ids: ``[B, C_new + Q]`` absolute positions of the new context followed by the block slots.
+            attention_mask: ``None`` (inference: the block sees all context, which is strictly before A, and
+                itself; sliding windows are applied automatically), a mask ready for the attention kernel, or a
+                dict ``{"full_attention": m, "sliding_attention": m}``.
+            cache: a :class:`~transformers.DynamicCache` holding context K/V only.
+            use_cache: create a cache when ``cache`` is ``None``.
+            context_is_projected: ``context_features`` already went through :meth:`project_context`.
+
+        Returns:
+            ``BaseModelOutputWithPast`` whose ``last_hidden_state`` is the final-normed ``[B, Q, H]``.
+        """
+        if use_cache and cache is None:
+            cache = DynamicCache()
+        q_len = inputs_embeds.shape[1]
+        context = None
+        if context_features is not None and context_features.shape[1] > 0:
+            context = context_features if context_is_projected else self.project_context(context_features)
+            context = context.to(inputs_embeds.dtype)
+        c_new = 0 if context is None else context.shape[1]
+        if position_ids is None:
+            raise ValueError(
+                "position_ids ([B, C_new + Q], absolute positions shared with the target) are required."
+            )
+        if position_ids.shape[-1] != c_new + q_len:
+            raise ValueError(
+                f"position_ids covers {position_ids.shape[-1]} positions but the forward has {c_new} new context "
+                f"positions + {q_len} block slots."
+            )
+        position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
+
+        masks = attention_mask if isinstance(attention_mask, dict) else None
+        if masks is None:
+            if attention_mask is not None:
+                masks = {"full_attention": attention_mask, "sliding_attention": attention_mask}
+            else:
+                masks = self._inference_masks(position_ids, c_new, q_len, cache, inputs_embeds.dtype)
+
+        hidden_states = inputs_embeds
+        for layer in self.layers:
+            hidden_states = layer(
+                hidden_states,
+                context,
+                position_embeddings,
+                masks[layer.self_attn.layer_type],
+                cache=cache,
+                **kwargs,
+            )
+        hidden_states = self.norm(hidden_states)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache if use_cache else None)
+
+    def _inference_masks(
+        self, position_ids: torch.Tensor, c_new: int, q_len: int, cache: Cache | None, dtype: torch.dtype
+    ) -> dict[str, torch.Tensor | None]:
+        """Masks for one block whose context (cached + new) lies entirely before its anchor.
+
+        Full-attention layers see everything (``None`` keeps the fastest kernels); sliding layers get a dense
+        window mask, assuming cached context positions are ``0 .. cached-1``.
+        """
+        masks: dict[str, torch.Tensor | None] = {"full_attention": None, "sliding_attention": None}
+        if "sliding_attention" not in self.config.layer_types:
+            return masks
+        cached = cache.get_seq_length() if cache is not None else 0
+        bsz = position_ids.shape[0]
+        cached_pos = torch.arange(cached, device=position_ids.device).expand(bsz, -1)
+        key_pos = torch.cat([cached_pos, position_ids], dim=1)  # [B, K]
+        key_blocks = torch.full_like(key_pos, -1)
+        key_blocks[:, cached + c_new :] = 0
+        query_pos = position_ids[:, -q_len:]
+        sliding = next(
+            layer.self_attn for layer in self.layers if layer.self_attn.layer_type == "sliding_attention"
+        )
+        visible = dflash_visibility(
+            query_pos[:, None, :, None],
+            torch.zeros_like(query_pos)[:, None, :, None],
+            torch.full_like(query_pos, torch.iinfo(query_pos.dtype).max)[:, None, :, None],
+            key_pos[:, None, None, :],
+            key_blocks[:, None, None, :],
+            causal=sliding.block_causal,
+            window=sliding.sliding_window,
+        )
+        masks["sliding_attention"] = attention_mask_for_implementation(
+            visible, self.config._attn_implementation, dtype
+        )
+        return masks
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Loading and saving
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        pretrained_model_name_or_path: str | os.PathLike,
+        *model_args: Any,
+        target: nn.Module | None = None,
+        **kwargs: Any,
+    ) -> DMTPDraftModel:
+        """Load a DMTP checkpoint or an unmodified DFlash checkpoint, strictly.
+
+        A DFlash checkpoint (``architectures: ["DFlashDraftModel"]``, no ``dmtp_config``) yields a DMTP model
+        whose fusion is initialised as documented (zero for ``residual``), so it starts exactly as "DFlash
+        conditioned on T1". Config fields can be overridden as keyword arguments (``anchor_layout="dflash"``).
+        Any other missing, unexpected or mis-shaped tensor raises ``ValueError`` naming it. ``target`` binds
+        the draft (see :meth:`bind`).
+        """
+        want_info = kwargs.pop("output_loading_info", False)
+        kwargs.setdefault("key_mapping", {r"^model\.": ""})
+        try:
+            model, info = super().from_pretrained(
+                pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
+            )
+        except RuntimeError as err:  # HF raises on size mismatches; re-raise with our wording
+            if "size mismatch" in str(err) or "shape" in str(err):
+                raise ValueError(f"Checkpoint tensors do not fit the DMTP config: {err}") from err
+            raise
+        _check_loading_info(model, info)
+        if target is not None:
+            model.bind(target)
+        return (model, info) if want_info else model
+
+    def save_dflash(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
+        """Write the backbone in the DFlash layout (``DFlashDraftModel`` config, no ``fusion.*`` tensors).
+
+        Refuses unless the fusion is an exact no-op (zero residual), since the DFlash layout cannot hold it.
+        """
+        if self.fusion is not None and not self.fusion.is_noop():
+            raise ValueError(
+                "This draft has trained fusion weights; the DFlash layout cannot store them. "
+                "Use save_pretrained() for the DMTP layout."
+            )
+        from .io import save_dflash_checkpoint
+
+        save_dflash_checkpoint(self, save_directory, **kwargs)
+
+
+_FUSION_KEY = re.compile(r"^fusion\.")
+
+
+def _check_loading_info(model: DMTPDraftModel, info: dict[str, Any]) -> None:
+    missing = list(info.get("missing_keys") or [])
+    if model.config.loaded_from_dflash:
+        # A DFlash checkpoint has no fusion; it was initialised as documented (zero residual).
+        missing = [k for k in missing if not _FUSION_KEY.match(k)]
+    if missing:
+        raise ValueError(
+            f"Checkpoint is missing {len(missing)} tensor(s) required by the DMTP config: {sorted(missing)[:20]}"
+        )
+    unexpected = [
+        k
+        for k in (info.get("unexpected_keys") or [])
+        if not any(re.search(p, k) for p in DMTPPreTrainedModel._keys_to_ignore_on_load_unexpected)
+    ]
+    if unexpected:
+        raise ValueError(
+            f"Checkpoint has {len(unexpected)} tensor(s) this DMTP config does not use (wrong layout or an "
+            f"unsupported DFlash variant such as DFlash2/Domino?): {sorted(unexpected)[:20]}"
+        )
+    mismatched = info.get("mismatched_keys") or []
+    if mismatched:
+        details = [f"{k}: checkpoint {tuple(a)} vs model {tuple(b)}" for k, a, b in mismatched]
+        raise ValueError(f"Checkpoint tensor shapes do not match the DMTP config: {details}")
+
+
+def check_draft_target_compatibility(config: DMTPConfig, target: nn.Module) -> None:
+    """Raise ``ValueError`` if ``target`` cannot host this draft (see :meth:`DMTPDraftModel.bind`)."""
+    target_config = (
+        target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    )
+    name = type(target).__name__
+    if target_config.hidden_size != config.hidden_size:
+        raise ValueError(
+            f"Draft hidden_size={config.hidden_size} does not match the target {name} "
+            f"hidden_size={target_config.hidden_size}."
+        )
+    num_layers = target_config.num_hidden_layers
+    ids = config.target_layer_ids or []
+    bad = [i for i in ids if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(
+            f"target_layer_ids {ids} out of range for the target {name} with {num_layers} layers (bad: {bad})."
+        )
+    if config.num_target_layers is not None and config.num_target_layers != num_layers:
+        raise ValueError(
+            f"The draft was built for a target with num_target_layers={config.num_target_layers}, but the "
+            f"target {name} has {num_layers} layers."
+        )
+    embedding = target.get_input_embeddings()
+    rows = embedding.weight.shape[0]
+    if config.mask_token_id is None or not 0 <= config.mask_token_id < rows:
+        raise ValueError(
+            f"mask_token_id={config.mask_token_id} is outside the target embedding ({rows} rows)."
+        )
+    head = target.get_output_embeddings()
+    if head is not None and head.weight.shape[0] != config.vocab_size:
+        raise ValueError(
+            f"Vocabulary mismatch: the draft was built for vocab_size={config.vocab_size}, the target LM head "
+            f"has {head.weight.shape[0]} rows."
+        )
+
+
+__all__ = [
+    "DMTPDraftModel",
+    "DMTPPreTrainedModel",
+    "FirstCandidateFusion",
+    "dflash_visibility",
+    "attention_mask_for_implementation",
+    "check_draft_target_compatibility",
+]
