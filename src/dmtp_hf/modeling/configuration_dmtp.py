@@ -160,9 +160,7 @@ class DMTPConfig(Qwen3Config):
         if fusion not in FUSIONS:
             raise ValueError(f"Unknown fusion {fusion!r}; expected one of {FUSIONS}.")
         if layout == "dflash" and fusion != "none":
-            raise ValueError(
-                f"anchor_layout='dflash' has no T1 slot, so fusion must be 'none' (got {fusion!r})."
-            )
+            raise ValueError(f"anchor_layout='dflash' has no T1 slot, so fusion must be 'none' (got {fusion!r}).")
         if self.mtp_hidden_input not in MTP_HIDDEN_INPUTS:
             raise ValueError(
                 f"Unknown mtp_hidden_input {self.mtp_hidden_input!r}; expected one of {MTP_HIDDEN_INPUTS}."
@@ -171,17 +169,13 @@ class DMTPConfig(Qwen3Config):
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"num_candidates must be a positive integer, got {n!r}.")
         if layout != "dflash" and n < 2:
-            raise ValueError(
-                f"anchor_layout={layout!r} needs num_candidates >= 2 (T1 from MTP + DFlash slots)."
-            )
+            raise ValueError(f"anchor_layout={layout!r} needs num_candidates >= 2 (T1 from MTP + DFlash slots).")
         ids = self.target_layer_ids
         if ids is not None:
             if not ids or any(not isinstance(i, int) or i < 0 for i in ids):
                 raise ValueError(f"target_layer_ids must be non-negative integers, got {ids!r}.")
             if self.num_target_layers is not None and max(ids) >= self.num_target_layers:
-                raise ValueError(
-                    f"target_layer_ids {ids} out of range for num_target_layers={self.num_target_layers}."
-                )
+                raise ValueError(f"target_layer_ids {ids} out of range for num_target_layers={self.num_target_layers}.")
         if self.mask_token_id is not None and not 0 <= self.mask_token_id:
             raise ValueError(f"mask_token_id must be >= 0, got {self.mask_token_id}.")
 

@@ -36,10 +36,11 @@ from transformers.models.qwen3.modeling_qwen3 import (
     eager_attention_forward,
     rotate_half,
 )
+from transformers.utils import logging as hf_logging
 
 from .configuration_dmtp import DMTPConfig
 
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------
 # 1. Visibility
 
 
@@ -90,13 +91,19 @@ def attention_mask_for_implementation(
             "flash-attn cannot express DFlash's block/context visibility mask; use attn_implementation='sdpa' "
             "or 'flex_attention' for masked (training or sliding-window) forwards."
         )
-    # eager and flex (score_mod) take an additive mask
-    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(
-        ~visible, torch.finfo(dtype).min
-    )
+    if attn_implementation == "flex_attention":
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return visible[b, 0, q_idx, kv_idx]
+
+        bsz, _, q_len, kv_len = visible.shape
+        return create_block_mask(mask_mod, bsz, None, q_len, kv_len, device=visible.device)
+    # eager takes an additive mask
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, torch.finfo(dtype).min)
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------
 # 2. Backbone
 
 
@@ -214,7 +221,7 @@ class DMTPDecoderLayer(GradientCheckpointingLayer):
         return residual + hidden_states
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------
 # 3. First-candidate fusion
 
 
@@ -273,7 +280,7 @@ class FirstCandidateFusion(nn.Module):
         return t1_embeds + fused if self.mode == "residual" else fused
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------
 # 4. The checkpoint
 
 
@@ -295,8 +302,6 @@ class DMTPPreTrainedModel(PreTrainedModel):
         r"(^|\.)lm_head\.weight$",
         r"rotary_emb",
     ]
-    # DFlash checkpoints carry no fusion; `from_pretrained` checks missing tensors itself, strictly.
-    _keys_to_ignore_on_load_missing = [r"^fusion\."]
 
     def _init_weights(self, module: nn.Module) -> None:
         special = getattr(module, "_dmtp_init", None)
@@ -479,9 +484,7 @@ class DMTPDraftModel(DMTPPreTrainedModel):
             context = context.to(inputs_embeds.dtype)
         c_new = 0 if context is None else context.shape[1]
         if position_ids is None:
-            raise ValueError(
-                "position_ids ([B, C_new + Q], absolute positions shared with the target) are required."
-            )
+            raise ValueError("position_ids ([B, C_new + Q], absolute positions shared with the target) are required.")
         if position_ids.shape[-1] != c_new + q_len:
             raise ValueError(
                 f"position_ids covers {position_ids.shape[-1]} positions but the forward has {c_new} new context "
@@ -527,9 +530,7 @@ class DMTPDraftModel(DMTPPreTrainedModel):
         key_blocks = torch.full_like(key_pos, -1)
         key_blocks[:, cached + c_new :] = 0
         query_pos = position_ids[:, -q_len:]
-        sliding = next(
-            layer.self_attn for layer in self.layers if layer.self_attn.layer_type == "sliding_attention"
-        )
+        sliding = next(layer.self_attn for layer in self.layers if layer.self_attn.layer_type == "sliding_attention")
         visible = dflash_visibility(
             query_pos[:, None, :, None],
             torch.zeros_like(query_pos)[:, None, :, None],
@@ -539,9 +540,7 @@ class DMTPDraftModel(DMTPPreTrainedModel):
             causal=sliding.block_causal,
             window=sliding.sliding_window,
         )
-        masks["sliding_attention"] = attention_mask_for_implementation(
-            visible, self.config._attn_implementation, dtype
-        )
+        masks["sliding_attention"] = attention_mask_for_implementation(visible, self.config._attn_implementation, dtype)
         return masks
 
     # ------------------------------------------------------------------------------------------------------------
@@ -565,14 +564,17 @@ class DMTPDraftModel(DMTPPreTrainedModel):
         """
         want_info = kwargs.pop("output_loading_info", False)
         kwargs.setdefault("key_mapping", {r"^model\.": ""})
+        # Let HF report mismatched shapes instead of raising, so the error below can name the tensors.
+        kwargs["ignore_mismatched_sizes"] = True
+        # HF's own load report is replaced by the strict checks below (which raise, naming the tensors).
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
         try:
             model, info = super().from_pretrained(
                 pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
             )
-        except RuntimeError as err:  # HF raises on size mismatches; re-raise with our wording
-            if "size mismatch" in str(err) or "shape" in str(err):
-                raise ValueError(f"Checkpoint tensors do not fit the DMTP config: {err}") from err
-            raise
+        finally:
+            hf_logging.set_verbosity(verbosity)
         _check_loading_info(model, info)
         if target is not None:
             model.bind(target)
@@ -593,6 +595,7 @@ class DMTPDraftModel(DMTPPreTrainedModel):
         save_dflash_checkpoint(self, save_directory, **kwargs)
 
 
+logger = hf_logging.get_logger(__name__)
 _FUSION_KEY = re.compile(r"^fusion\.")
 
 
@@ -601,6 +604,8 @@ def _check_loading_info(model: DMTPDraftModel, info: dict[str, Any]) -> None:
     if model.config.loaded_from_dflash:
         # A DFlash checkpoint has no fusion; it was initialised as documented (zero residual).
         missing = [k for k in missing if not _FUSION_KEY.match(k)]
+        if model.fusion is not None:
+            logger.info("Loaded a DFlash checkpoint: fusion=%r initialised as documented.", model.config.fusion)
     if missing:
         raise ValueError(
             f"Checkpoint is missing {len(missing)} tensor(s) required by the DMTP config: {sorted(missing)[:20]}"
@@ -623,9 +628,7 @@ def _check_loading_info(model: DMTPDraftModel, info: dict[str, Any]) -> None:
 
 def check_draft_target_compatibility(config: DMTPConfig, target: nn.Module) -> None:
     """Raise ``ValueError`` if ``target`` cannot host this draft (see :meth:`DMTPDraftModel.bind`)."""
-    target_config = (
-        target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
-    )
+    target_config = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
     name = type(target).__name__
     if target_config.hidden_size != config.hidden_size:
         raise ValueError(
@@ -647,9 +650,7 @@ def check_draft_target_compatibility(config: DMTPConfig, target: nn.Module) -> N
     embedding = target.get_input_embeddings()
     rows = embedding.weight.shape[0]
     if config.mask_token_id is None or not 0 <= config.mask_token_id < rows:
-        raise ValueError(
-            f"mask_token_id={config.mask_token_id} is outside the target embedding ({rows} rows)."
-        )
+        raise ValueError(f"mask_token_id={config.mask_token_id} is outside the target embedding ({rows} rows).")
     head = target.get_output_embeddings()
     if head is not None and head.weight.shape[0] != config.vocab_size:
         raise ValueError(

@@ -1,0 +1,103 @@
+"""The ``dmtp`` command: ``demo``, ``convert``, ``info``.
+
+Every subcommand turns expected failures (bad paths, incompatible checkpoints) into a one-line error and a
+non-zero exit code instead of a stack trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from .modeling import DMTPDraftModel
+
+    overrides = {}
+    if args.anchor_layout:
+        overrides["anchor_layout"] = args.anchor_layout
+    if args.fusion:
+        overrides["fusion"] = args.fusion
+    if args.num_candidates:
+        overrides["num_candidates"] = args.num_candidates
+    model = DMTPDraftModel.from_pretrained(args.source, **overrides)
+    if args.to == "dflash":
+        model.save_dflash(args.destination)
+    else:
+        model.save_pretrained(args.destination)
+    cfg = model.config
+    print(
+        f"wrote {args.to} checkpoint to {args.destination} "
+        f"(layout={cfg.anchor_layout}, fusion={cfg.fusion}, candidates={cfg.num_candidates}, "
+        f"source={'DFlash' if cfg.loaded_from_dflash else 'DMTP'})"
+    )
+    return 0
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    from .modeling import DMTPConfig
+
+    cfg = DMTPConfig.from_pretrained(args.path)
+    summary = {
+        "source_format": "dflash" if cfg.loaded_from_dflash else "dmtp",
+        "anchor_layout": cfg.anchor_layout,
+        "fusion": cfg.fusion,
+        "num_candidates": cfg.num_candidates,
+        "block_length": cfg.block_length,
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "target_layer_ids": cfg.target_layer_ids,
+        "num_target_layers": cfg.num_target_layers,
+        "mask_token_id": cfg.mask_token_id,
+        "trained_block_size": cfg.block_size,
+    }
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(max_new_tokens=args.max_new_tokens, seed=args.seed)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``dmtp`` console script."""
+    parser = argparse.ArgumentParser(prog="dmtp", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="run DMTP on the bundled small models and print acceptance statistics")
+    demo.add_argument("--max-new-tokens", type=int, default=48)
+    demo.add_argument("--seed", type=int, default=0)
+    demo.set_defaults(func=_cmd_demo)
+
+    convert = sub.add_parser("convert", help="DFlash checkpoint -> DMTP checkpoint (zero-init fusion), or back")
+    convert.add_argument("source", type=Path)
+    convert.add_argument("destination", type=Path)
+    convert.add_argument("--to", choices=["dmtp", "dflash"], default="dmtp")
+    convert.add_argument("--anchor-layout", choices=["dflash", "single", "dual"])
+    convert.add_argument("--fusion", choices=["none", "hidden_residual", "residual", "replace"])
+    convert.add_argument("--num-candidates", type=int)
+    convert.set_defaults(func=_cmd_convert)
+
+    info = sub.add_parser("info", help="summarise a DMTP or DFlash checkpoint's config")
+    info.add_argument("path", type=Path)
+    info.set_defaults(func=_cmd_info)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``dmtp`` console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, OSError, NotImplementedError) as err:
+        print(f"dmtp {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

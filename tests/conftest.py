@@ -1,0 +1,51 @@
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from dmtp_hf import DMTPConfig
+
+VOCAB = 96
+HIDDEN = 32
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    torch.manual_seed(0)
+    yield
+
+
+def tiny_qwen3_target(num_layers: int = 4, hidden: int = HIDDEN, vocab: int = VOCAB) -> Qwen3ForCausalLM:
+    config = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    return Qwen3ForCausalLM(config).eval()
+
+
+def tiny_draft_config(**overrides) -> DMTPConfig:
+    kwargs = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=2 * HIDDEN,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=HIDDEN // 4,
+        num_target_layers=4,
+        target_layer_ids=[0, 2],
+        mask_token_id=VOCAB - 1,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    kwargs.update(overrides)
+    return DMTPConfig(**kwargs)
+
+
+@pytest.fixture
+def target():
+    return tiny_qwen3_target()
