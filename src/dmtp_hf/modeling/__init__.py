@@ -1,4 +1,4 @@
-"""What is saved and loaded: the DMTP draft (DFlash backbone + T1 fusion) and its config."""
+"""What is saved and loaded: the DMTP draft (DFlash backbone + T1 fusion), its config, and native MTP heads."""
 
 from .configuration_dmtp import ANCHOR_LAYOUTS, FUSIONS, DMTPConfig, build_target_layer_ids
 from .modeling_dmtp import (
@@ -8,6 +8,17 @@ from .modeling_dmtp import (
     check_draft_target_compatibility,
     dflash_visibility,
 )
+from .native_mtp import (
+    MissingMTPTensorsError,
+    MTPLayout,
+    NativeMTPHead,
+    NoNativeMTPError,
+    TargetHiddenExtractor,
+    UnsupportedMTPFamilyError,
+    get_mtp_layout,
+    load_native_mtp,
+    register_mtp_layout,
+)
 
 __all__ = [
     "ANCHOR_LAYOUTS",
@@ -16,7 +27,16 @@ __all__ = [
     "DMTPDraftModel",
     "DMTPPreTrainedModel",
     "FirstCandidateFusion",
+    "MTPLayout",
+    "MissingMTPTensorsError",
+    "NativeMTPHead",
+    "NoNativeMTPError",
+    "TargetHiddenExtractor",
+    "UnsupportedMTPFamilyError",
     "build_target_layer_ids",
     "check_draft_target_compatibility",
     "dflash_visibility",
+    "get_mtp_layout",
+    "load_native_mtp",
+    "register_mtp_layout",
 ]

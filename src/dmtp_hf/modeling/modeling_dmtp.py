@@ -357,15 +357,30 @@ class DMTPDraftModel(DMTPPreTrainedModel):
             raise RuntimeError("This DMTP draft is not bound to a target; call `draft.bind(target)` first.")
         return self._target
 
-    def bind(self, target: nn.Module) -> DMTPDraftModel:
-        """Attach the target whose frozen embedding and LM head the draft uses, after checking compatibility.
+    def bind(self, target: nn.Module, native_mtp: nn.Module | None = None) -> DMTPDraftModel:
+        """Attach the target whose frozen embedding, LM head and native MTP head the draft uses.
 
-        Raises ``ValueError`` naming the mismatch: hidden size, vocabulary, ``target_layer_ids`` out of range,
-        ``num_target_layers`` different from the target's depth, or a mask token outside the target embedding.
+        Checks compatibility first and raises ``ValueError`` naming the mismatch: hidden size, vocabulary,
+        ``target_layer_ids`` out of range, ``num_target_layers`` different from the target's depth, or a mask token
+        outside the target embedding. ``native_mtp`` defaults to the head loaded (on first use) from the target's
+        own checkpoint. Binding also makes ``target.generate(..., assistant_model=draft)`` run DMTP decoding.
         """
+        from ..assistant.generate import install_generate_router
+
         check_draft_target_compatibility(self.config, target)
-        self.__dict__["_target"] = target  # bypass nn.Module registration on purpose
+        self.__dict__["_target"] = target  # bypass nn.Module registration on purpose: never saved or moved
+        self.__dict__["_native_mtp"] = native_mtp
+        install_generate_router(target)
         return self
+
+    @property
+    def native_mtp(self) -> nn.Module:
+        """The target's native MTP head (loaded from the target checkpoint on first use, then cached)."""
+        if self.__dict__.get("_native_mtp") is None:
+            from .native_mtp import load_native_mtp
+
+            self.__dict__["_native_mtp"] = load_native_mtp(self.target, hidden_input=self.config.mtp_hidden_input)
+        return self.__dict__["_native_mtp"]
 
     @property
     def target_embedding(self) -> nn.Module:

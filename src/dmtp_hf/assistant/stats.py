@@ -1,0 +1,165 @@
+"""Speculative-decoding statistics with exactly the definitions of DESIGN.md §6 (and the DMTP blog).
+
+``hist[k]`` = verify rounds that accepted exactly k drafted candidates (k = 0..K).
+
+- acceptance length per verify: ``1 + sum(k * hist[k]) / sum(hist)`` (includes the bonus token)
+- acceptance length per request: mean over requests of (tokens committed by rounds / rounds)
+- first-candidate acceptance: ``1 - hist[0] / sum(hist)``
+- cumulative acceptance ``P(L >= k)`` and conditional ``P(L >= k | L >= k-1)``, k = 1..K
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+STAGES = ("prefill", "mtp", "t1_fusion", "dflash", "verify", "rollback_advance")
+
+
+@dataclass
+class RequestStats:
+    """Per-request (per-turn) counts: rounds, tokens committed by rounds, and the acceptance histogram."""
+
+    num_candidates: int
+    hist: list[int] = field(default_factory=list)
+    rounds: int = 0
+    round_tokens: int = 0  # tokens committed by verify rounds (accepted + bonus), clipped at EOS/length
+
+    def __post_init__(self) -> None:
+        if not self.hist:
+            self.hist = [0] * (self.num_candidates + 1)
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens committed per verify round for this request (bonus included)."""
+        return self.round_tokens / self.rounds if self.rounds else float("nan")
+
+
+class SpecStats:
+    """Aggregated statistics of one or many speculative ``generate`` calls (one entry per request/turn).
+
+    Stage times are wall-clock seconds per stage (``prefill``, ``mtp`` (MTP advance/drafting), ``t1_fusion``
+    (T1 head + embedding + fusion), ``dflash``, ``verify``, ``rollback_advance``); on CUDA they are exact only
+    when the engine runs with ``profile=True`` (it then synchronises around each stage).
+    """
+
+    def __init__(self, num_candidates: int, strategy: str = "dmtp") -> None:
+        self.num_candidates = num_candidates
+        self.strategy = strategy
+        self.requests: list[RequestStats] = []
+        self.stage_seconds: dict[str, float] = defaultdict(float)
+
+    # -- recording -------------------------------------------------------------------------------------------------
+
+    def new_request(self) -> RequestStats:
+        """Start counting a new request (or MT-Bench turn)."""
+        request = RequestStats(self.num_candidates)
+        self.requests.append(request)
+        return request
+
+    @contextmanager
+    def stage(self, name: str, sync_device: torch.device | None = None):
+        """Time a stage; pass ``sync_device`` (CUDA) to make the measurement exact."""
+        if sync_device is not None and sync_device.type == "cuda":
+            torch.cuda.synchronize(sync_device)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if sync_device is not None and sync_device.type == "cuda":
+                torch.cuda.synchronize(sync_device)
+            self.stage_seconds[name] += time.perf_counter() - start
+
+    def merge(self, other: SpecStats) -> SpecStats:
+        """Add another run's requests and stage times to this one (same candidate budget)."""
+        if other.num_candidates != self.num_candidates:
+            raise ValueError("cannot merge statistics with different candidate budgets")
+        self.requests.extend(other.requests)
+        for key, value in other.stage_seconds.items():
+            self.stage_seconds[key] += value
+        return self
+
+    # -- metrics ---------------------------------------------------------------------------------------------------
+
+    @property
+    def hist(self) -> list[int]:
+        """Acceptance histogram over all requests: ``hist[k]`` rounds accepted exactly k candidates."""
+        total = [0] * (self.num_candidates + 1)
+        for request in self.requests:
+            for k, count in enumerate(request.hist):
+                total[k] += count
+        return total
+
+    @property
+    def num_rounds(self) -> int:
+        """Total verify rounds."""
+        return sum(self.hist)
+
+    @property
+    def acceptance_length_per_verify(self) -> float:
+        """``1 + sum(k hist[k]) / sum(hist)``."""
+        hist = self.hist
+        rounds = sum(hist)
+        return 1.0 + sum(k * c for k, c in enumerate(hist)) / rounds if rounds else float("nan")
+
+    @property
+    def acceptance_length_per_request(self) -> float:
+        """Mean over requests of tokens committed per round."""
+        values = [r.acceptance_length for r in self.requests if r.rounds]
+        return sum(values) / len(values) if values else float("nan")
+
+    @property
+    def first_candidate_acceptance(self) -> float:
+        """``1 - hist[0] / sum(hist)``: rounds whose first candidate was accepted."""
+        hist = self.hist
+        rounds = sum(hist)
+        return 1.0 - hist[0] / rounds if rounds else float("nan")
+
+    @property
+    def cumulative_acceptance(self) -> list[float]:
+        """``P(L >= k)`` for k = 1..K, over verify rounds."""
+        hist = self.hist
+        rounds = sum(hist)
+        if not rounds:
+            return [float("nan")] * self.num_candidates
+        return [sum(hist[k:]) / rounds for k in range(1, self.num_candidates + 1)]
+
+    @property
+    def conditional_acceptance(self) -> list[float]:
+        """``P(L >= k | L >= k-1)`` for k = 1..K."""
+        hist = self.hist
+        out = []
+        for k in range(1, self.num_candidates + 1):
+            reached = sum(hist[k - 1 :])
+            out.append(sum(hist[k:]) / reached if reached else float("nan"))
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every metric plus the raw histogram and per-request counts (JSON-serialisable)."""
+        return {
+            "strategy": self.strategy,
+            "num_candidates": self.num_candidates,
+            "num_requests": len(self.requests),
+            "num_rounds": self.num_rounds,
+            "hist": self.hist,
+            "acceptance_length_per_verify": self.acceptance_length_per_verify,
+            "acceptance_length_per_request": self.acceptance_length_per_request,
+            "first_candidate_acceptance": self.first_candidate_acceptance,
+            "cumulative_acceptance": self.cumulative_acceptance,
+            "conditional_acceptance": self.conditional_acceptance,
+            "stage_seconds": dict(self.stage_seconds),
+            "requests": [{"rounds": r.rounds, "round_tokens": r.round_tokens, "hist": r.hist} for r in self.requests],
+        }
+
+    def summary(self) -> str:
+        """One human-readable line."""
+        return (
+            f"{self.strategy}: acceptance length {self.acceptance_length_per_verify:.3f}/verify, "
+            f"{self.acceptance_length_per_request:.3f}/request, first-candidate acceptance "
+            f"{100 * self.first_candidate_acceptance:.1f}% over {self.num_rounds} rounds"
+        )

@@ -1,0 +1,116 @@
+"""Token selection and the three lossless verification rules (DESIGN.md §3).
+
+Every distribution here is *processed*: the generation's logits processors (repetition penalty, temperature,
+top-k, top-p, ...) are applied with the exact prefix each position sees, identically for draft and target, so
+that a draft's ``q`` is the distribution its token was really drawn from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from transformers import LogitsProcessorList
+
+VerifyMode = Literal["greedy", "match", "rejection"]
+VERIFY_MODES = ("greedy", "match", "rejection")
+
+
+def process_logits(
+    logits: torch.Tensor,  # [B, V] raw logits for the position after `prefix`
+    prefix: torch.Tensor,  # [B, L] the tokens that position sees
+    logits_processor: LogitsProcessorList | None,
+) -> torch.Tensor:
+    """Scores ``[B, V]`` (float32) after the generation's logits processors."""
+    scores = logits.float()
+    if logits_processor:
+        scores = logits_processor(prefix, scores)
+    return scores
+
+
+def process_block(
+    logits: torch.Tensor,  # [B, K, V] raw logits of K consecutive positions
+    prefix: torch.Tensor,  # [B, L] tokens before the first of them
+    tokens: torch.Tensor,  # [B, >= K-1] tokens at those positions (position i sees prefix + tokens[:, :i])
+    logits_processor: LogitsProcessorList | None,
+) -> torch.Tensor:
+    """Process K consecutive positions, each with its own prefix (as HF's assisted decoding does)."""
+    scores = logits.float()
+    if not logits_processor:
+        return scores
+    return torch.stack(
+        [
+            process_logits(scores[:, i], torch.cat([prefix, tokens[:, :i]], dim=1), logits_processor)
+            for i in range(scores.shape[1])
+        ],
+        dim=1,
+    )
+
+
+def select_tokens(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
+    """Argmax or one sample per row of processed scores ``[..., V]`` -> ``[...]``."""
+    if not do_sample:
+        return scores.argmax(dim=-1)
+    probs = scores.softmax(dim=-1)
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1).view(probs.shape[:-1])
+
+
+@dataclass
+class Verdict:
+    """Outcome of verifying K candidates: ``num_accepted`` ``[B]`` in 0..K and the correction/bonus ``[B]``."""
+
+    num_accepted: torch.Tensor
+    bonus: torch.Tensor
+
+
+def _leading_true(matches: torch.Tensor) -> torch.Tensor:
+    """Length of the all-True prefix of each row of ``[B, K]``."""
+    return matches.long().cumprod(dim=1).sum(dim=1)
+
+
+def verify(
+    mode: VerifyMode,
+    candidates: torch.Tensor,  # [B, K]
+    target_scores: torch.Tensor,  # [B, K+1, V] processed target scores at [A, T1..TK]
+    draft_scores: torch.Tensor | None = None,  # [B, K, V] processed scores each candidate was drawn from
+) -> Verdict:
+    """Accept the longest valid prefix of ``candidates`` and draw one token from the target after it.
+
+    ``greedy``: candidates must equal the target argmax. ``match`` (the blog's target-only verification): sample the
+    target at every slot and accept while samples equal candidates; the bonus is the first differing sample.
+    ``rejection`` (Leviathan et al.): accept candidate i with probability ``min(1, p_i/q_i)``, on rejection
+    resample from ``norm(max(p - q, 0))``, and if all are accepted sample the bonus from ``p``. All three leave the
+    output distribution equal to the target's.
+    """
+    num_candidates = candidates.shape[1]
+    if mode == "greedy":
+        target_tokens = target_scores.argmax(dim=-1)  # [B, K+1]
+        n = _leading_true(candidates == target_tokens[:, :num_candidates])
+        return Verdict(n, target_tokens.gather(1, n[:, None])[:, 0])
+    if mode == "match":
+        target_tokens = select_tokens(target_scores, do_sample=True)
+        n = _leading_true(candidates == target_tokens[:, :num_candidates])
+        return Verdict(n, target_tokens.gather(1, n[:, None])[:, 0])
+    if mode != "rejection":
+        raise ValueError(f"Unknown verification mode {mode!r}; expected one of {VERIFY_MODES}.")
+    if draft_scores is None:
+        raise ValueError("rejection sampling needs the draft distributions the candidates were drawn from.")
+    p = target_scores.softmax(dim=-1)  # [B, K+1, V]
+    q = draft_scores.softmax(dim=-1)  # [B, K, V]
+    p_tok = p[:, :num_candidates].gather(2, candidates[..., None])[..., 0]
+    q_tok = q.gather(2, candidates[..., None])[..., 0]
+    accept = torch.rand_like(p_tok) * q_tok <= p_tok  # u <= p/q without dividing by a zero q
+    n = _leading_true(accept)
+    # Residual distribution at the first rejected slot; the plain target distribution after all K are accepted.
+    q_padded = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)  # [B, K+1, V]
+    residual = (p - q_padded).clamp(min=0)
+    index = n[:, None, None].expand(-1, 1, p.shape[-1])
+    residual_n = residual.gather(1, index)[:, 0]
+    p_n = p.gather(1, index)[:, 0]
+    # Where p == q exactly the residual is empty; p itself is then the correct (and only) choice.
+    mass = residual_n.sum(dim=-1, keepdim=True)
+    dist = torch.where(mass > 0, residual_n / mass.clamp(min=1e-30), p_n)
+    bonus = torch.multinomial(dist, 1)[:, 0]
+    return Verdict(n, bonus)

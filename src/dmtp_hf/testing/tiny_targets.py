@@ -1,0 +1,437 @@
+"""Tiny random target checkpoints in each family's real on-disk layout, native MTP tensors included.
+
+`make_tiny_target` builds the trunk with the family's Transformers class from a tiny config, ``save_pretrained``s
+it, then writes the MTP tensors into the safetensors file(s) under the family's real key names and shapes:
+
+=================  ==============================  =========================================================
+family             trunk (as saved)                 MTP tensors
+=================  ==============================  =========================================================
+``qwen3_5``        ``Qwen3_5ForConditionalGeneration``  ``mtp.{fc,pre_fc_norm_embedding,pre_fc_norm_hidden,norm}``,
+                   (``model.language_model.*``,    ``mtp.layers.0.*`` (gated full attention + dense MLP)
+                   tiny vision tower, tied head)
+``qwen3_5_moe``    ``Qwen3_5MoeForConditionalGeneration``  same names; fused experts
+                   (untied head)                    ``mlp.experts.gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``
+``qwen3_next``     ``Qwen3NextForCausalLM``        ``mtp.*``; per-expert ``mlp.experts.{e}.{gate,up,down}_proj``
+``deepseek_v3``    ``DeepseekV3ForCausalLM``       ``model.layers.{N}.{enorm,hnorm,eh_proj,shared_head.norm}``,
+                                                    MLA + MoE block, ``shared_head.head`` / ``embed_tokens`` copies
+``glm4_moe``       ``Glm4MoeForCausalLM``          same names as DeepSeek, GQA + partial RoPE + MoE block
+``mimo``           ``Qwen2ForCausalLM`` (config     ``model.mtp_layers.0.{token_layernorm,hidden_layernorm,``
+                   ``architectures=[MiMoForCausalLM]``)  ``input_proj,final_layernorm}`` + Qwen2 block
+=================  ==============================  =========================================================
+
+Hybrid trunks (Qwen3.5, Qwen3-Next) have one linear-attention (GatedDeltaNet) and one full-attention layer; MoE
+trunks have 4 experts. Every MTP tensor is random (seeded), norms included (``offset + 0.3 * randn`` with offset 0
+for the zero-centred Qwen norms and 1 otherwise), so a loader that forgets the ``1 + w`` convention, swaps the
+concat order or reads the embedding/LM-head *copies* (written as independent random tensors here, unlike the real
+releases where they equal the trunk's) gives different logits.
+
+Loading back: ``AutoModelForCausalLM.from_pretrained(path)`` works for every family (MiMo's config keeps
+``model_type="qwen2"`` so that no remote code is needed; real MiMo-7B says ``"mimo"``, handled by the layout
+resolver through ``architectures``). Transformers hard-codes the MTP ignore regex of DeepSeek-V3 (``layers.61``) and
+GLM (``layers.92``/``layers.46``), so at tiny depth the MTP keys are reported as unexpected; `load_tiny_target`
+temporarily points the class's ``_keys_to_ignore_on_load_unexpected`` at the tiny depth and leaves the same pattern
+on the returned instance, which also lets Transformers' own ``MtpModel.from_pretrained`` find the MTP tensors.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
+
+__all__ = [
+    "FAMILIES",
+    "load_tiny_target",
+    "make_tiny_target",
+    "mtp_ignore_patterns",
+    "read_checkpoint_tensors",
+    "tiny_target_config",
+]
+
+FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "deepseek_v3", "glm4_moe", "mimo")
+# Families whose RMSNorm is zero-centred (x_hat * (1 + w)); their random norms are centred on 0, the others on 1.
+_ZERO_CENTRED = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+# Block size written into the tiny FP8 checkpoints (real releases use [128, 128], larger than the tiny matrices).
+TINY_FP8_BLOCK = (16, 16)
+
+_VOCAB, _HIDDEN = 128, 32
+_TINY_VISION = {
+    "depth": 1,
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_heads": 2,
+    "out_hidden_size": _HIDDEN,
+    "patch_size": 4,
+    "temporal_patch_size": 2,
+    "spatial_merge_size": 2,
+    "num_position_embeddings": 16,
+}
+
+
+def tiny_target_config(family: str) -> PreTrainedConfig:
+    """The tiny config of ``family``'s target (vocab 128, hidden 32, 2 layers)."""
+    common = {"vocab_size": _VOCAB, "hidden_size": _HIDDEN, "initializer_range": 0.1, "max_position_embeddings": 512}
+    if family in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
+        qwen = {
+            **common,
+            "num_hidden_layers": 2,
+            "layer_types": ["linear_attention", "full_attention"],
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "linear_key_head_dim": 8,
+            "linear_value_head_dim": 8,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "mtp_num_hidden_layers": 1,
+            "mtp_use_dedicated_embeddings": False,
+        }
+        moe = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
+        moe["shared_expert_intermediate_size"] = 16
+        if family == "qwen3_next":
+            from transformers import Qwen3NextConfig
+
+            rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+            return Qwen3NextConfig(**qwen, **moe, intermediate_size=64, rope_parameters=rope)
+        # mRoPE as in the real checkpoints (text-only use: the three position rows are equal).
+        rope = {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+            "mrope_section": [2, 1, 1],
+            "mrope_interleaved": True,
+        }
+        if family == "qwen3_5":
+            from transformers import Qwen3_5Config
+
+            text = {**qwen, "intermediate_size": 64, "rope_parameters": rope, "tie_word_embeddings": True}
+            return Qwen3_5Config(text_config=text, vision_config=dict(_TINY_VISION), tie_word_embeddings=True)
+        from transformers import Qwen3_5MoeConfig
+
+        text = {**qwen, **moe, "rope_parameters": rope, "tie_word_embeddings": False}
+        return Qwen3_5MoeConfig(text_config=text, vision_config=dict(_TINY_VISION), tie_word_embeddings=False)
+    if family == "deepseek_v3":
+        from transformers import DeepseekV3Config
+
+        return DeepseekV3Config(
+            **common,
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            n_shared_experts=1,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=1,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=8,
+            v_head_dim=8,
+            num_nextn_predict_layers=1,
+        )
+    if family == "glm4_moe":
+        from transformers import Glm4MoeConfig
+
+        return Glm4MoeConfig(
+            **common,
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            n_shared_experts=1,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            first_k_dense_replace=1,
+            use_qk_norm=True,
+            attention_bias=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+            num_nextn_predict_layers=1,
+        )
+    if family == "mimo":
+        from transformers import Qwen2Config
+
+        return Qwen2Config(
+            **common,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_nextn_predict_layers=1,
+        )
+    raise ValueError(f"Unknown tiny target family {family!r}; choose one of {FAMILIES}")
+
+
+def _target_class(family: str) -> type[PreTrainedModel]:
+    import transformers
+
+    name = {
+        "qwen3_5": "Qwen3_5ForConditionalGeneration",
+        "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+        "qwen3_next": "Qwen3NextForCausalLM",
+        "deepseek_v3": "DeepseekV3ForCausalLM",
+        "glm4_moe": "Glm4MoeForCausalLM",
+        "mimo": "Qwen2ForCausalLM",
+    }[family]
+    return getattr(transformers, name)
+
+
+def _mtp_block_config(text_config: PreTrainedConfig) -> PreTrainedConfig:
+    """One full-attention layer, MoE where the family has it (written independently of the loader on purpose)."""
+    config = copy.deepcopy(text_config)
+    config.num_hidden_layers = 1
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = ["full_attention"]
+    if hasattr(config, "first_k_dense_replace"):
+        config.first_k_dense_replace = 0
+    if hasattr(config, "mlp_only_layers"):
+        config.mlp_only_layers = []
+    return config
+
+
+def _random_like(name: str, tensor: torch.Tensor, norm_offset: float, generator: torch.Generator) -> torch.Tensor:
+    noise = torch.randn(tensor.shape, generator=generator)
+    if tensor.ndim == 1 and "norm" in name and name.endswith("weight"):
+        return norm_offset + 0.3 * noise
+    if tensor.ndim == 1:  # biases, router correction bias
+        return 0.1 * noise
+    return noise / math.sqrt(tensor.shape[-1])  # fan-in scaling keeps activations O(1)
+
+
+def _mtp_tensors(family: str, text_config: PreTrainedConfig, decoder_layer_class: type, seed: int) -> dict:
+    """Random MTP tensors of ``family`` under its real checkpoint names."""
+    generator = torch.Generator().manual_seed(seed + 1)
+    norm_offset = 0.0 if family in _ZERO_CENTRED else 1.0
+    hidden, vocab = text_config.hidden_size, text_config.vocab_size
+    block = decoder_layer_class(_mtp_block_config(text_config), 0)
+    block_tensors = {}
+    for name, tensor in block.state_dict().items():
+        tensor = _random_like(name, tensor, norm_offset, generator)
+        if name.endswith("experts.gate_up_proj") and family != "qwen3_5_moe":
+            # Per-expert layout (DeepSeek/GLM/Qwen3-Next releases): gate rows first in the fused tensor.
+            base, intermediate = name[: -len("gate_up_proj")], tensor.shape[1] // 2
+            for expert in range(tensor.shape[0]):
+                block_tensors[f"{base}{expert}.gate_proj.weight"] = tensor[expert, :intermediate].clone()
+                block_tensors[f"{base}{expert}.up_proj.weight"] = tensor[expert, intermediate:].clone()
+        elif name.endswith("experts.down_proj") and family != "qwen3_5_moe":
+            base = name[: -len("down_proj")]
+            for expert in range(tensor.shape[0]):
+                block_tensors[f"{base}{expert}.down_proj.weight"] = tensor[expert].clone()
+        else:
+            block_tensors[name] = tensor
+
+    def norm() -> torch.Tensor:
+        return norm_offset + 0.3 * torch.randn(hidden, generator=generator)
+
+    projection = torch.randn(hidden, 2 * hidden, generator=generator) / math.sqrt(2 * hidden)
+    if family in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
+        prefix = "mtp."
+        specific = {
+            "fc.weight": projection,
+            "pre_fc_norm_embedding.weight": norm(),
+            "pre_fc_norm_hidden.weight": norm(),
+            "norm.weight": norm(),
+        }
+        block_prefix = "layers.0."
+    elif family in ("deepseek_v3", "glm4_moe"):
+        prefix = f"model.layers.{text_config.num_hidden_layers}."
+        specific = {
+            "enorm.weight": norm(),
+            "hnorm.weight": norm(),
+            "eh_proj.weight": projection,
+            "shared_head.norm.weight": norm(),
+            # Copies of the shared embedding / head in the real releases; independent noise here (see module doc).
+            "shared_head.head.weight": torch.randn(vocab, hidden, generator=generator),
+            "embed_tokens.weight": torch.randn(vocab, hidden, generator=generator),
+        }
+        block_prefix = ""
+    else:  # mimo
+        prefix = "model.mtp_layers.0."
+        specific = {
+            "token_layernorm.weight": norm(),
+            "hidden_layernorm.weight": norm(),
+            "input_proj.weight": projection,
+            "final_layernorm.weight": norm(),
+        }
+        block_prefix = ""
+    tensors = {prefix + name: tensor for name, tensor in specific.items()}
+    tensors.update({prefix + block_prefix + name: tensor for name, tensor in block_tensors.items()})
+    return {name: tensor.to(torch.float32).contiguous() for name, tensor in tensors.items()}
+
+
+def _quantize_block_fp8(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-scaled float8_e4m3fn quantization as in the DeepSeek FP8 releases: returns (fp8 weight, scale_inv)."""
+    rows, cols = block
+    out_features, in_features = weight.shape
+    blocks_r, blocks_c = -(-out_features // rows), -(-in_features // cols)
+    padded = torch.zeros(blocks_r * rows, blocks_c * cols)
+    padded[:out_features, :in_features] = weight
+    tiles = padded.view(blocks_r, rows, blocks_c, cols)
+    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-8) / torch.finfo(torch.float8_e4m3fn).max  # [br, bc]
+    quantized = (tiles / scale[:, None, :, None]).view_as(padded)[:out_features, :in_features]
+    return quantized.to(torch.float8_e4m3fn).contiguous(), scale.to(torch.float32).contiguous()
+
+
+def _is_fp8_candidate(name: str, tensor: torch.Tensor) -> bool:
+    # Linear weights of the MTP layer; norms, the MoE router and the embedding/head copies stay high precision.
+    skip = ("norm", "mlp.gate.weight", "embed_tokens", "shared_head.head")
+    return tensor.ndim == 2 and name.endswith(".weight") and not any(part in name for part in skip)
+
+
+def read_checkpoint_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a (single-file or sharded) safetensors checkpoint directory, by name."""
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else []
+    tensors = {}
+    for file in files or ["model.safetensors"]:
+        with safe_open(str(path / file), framework="pt") as handle:
+            tensors.update({name: handle.get_tensor(name) for name in handle.keys()})
+    return tensors
+
+
+def _write_checkpoint(path: Path, trunk: dict, mtp: dict, sharded: bool) -> None:
+    for old in [*path.glob("*.safetensors"), *path.glob("model.safetensors.index.json")]:
+        old.unlink()
+    metadata = {"format": "pt"}
+    if not sharded:
+        save_file({**trunk, **mtp}, str(path / "model.safetensors"), metadata=metadata)
+        return
+    # Three shards like a real release: the first holds trunk tensors only, the MTP tensors straddle the last two.
+    trunk_names, mtp_names = list(trunk), list(mtp)
+    half_trunk, half_mtp = len(trunk_names) // 2, len(mtp_names) // 2
+    groups = [trunk_names[:half_trunk], trunk_names[half_trunk:] + mtp_names[:half_mtp], mtp_names[half_mtp:]]
+    tensors = {**trunk, **mtp}
+    weight_map, total_size = {}, 0
+    for index, names in enumerate(groups, start=1):
+        shard = f"model-{index:05d}-of-{len(groups):05d}.safetensors"
+        save_file({name: tensors[name] for name in names}, str(path / shard), metadata=metadata)
+        for name in names:
+            weight_map[name] = shard
+            total_size += tensors[name].numel() * tensors[name].element_size()
+    index_data = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index_data, indent=2))
+
+
+def make_tiny_target(
+    family: str,
+    directory: str | Path,
+    *,
+    seed: int = 0,
+    sharded: bool = False,
+    fp8: bool = False,
+    with_mtp: bool = True,
+    config_overrides: dict[str, Any] | None = None,
+) -> Path:
+    """Write a tiny random ``family`` target checkpoint, native MTP tensors included, and return its path.
+
+    Args:
+        family: One of `FAMILIES`.
+        directory: Where to write (created if needed); the checkpoint is written directly into it.
+        seed: Seeds the trunk and the MTP tensors (the build is deterministic).
+        sharded: Write three shards plus ``model.safetensors.index.json`` (first shard: trunk only; MTP tensors
+            split over the last two).
+        fp8: Store the MTP layer's linear weights as block-scaled float8_e4m3fn with ``*.weight_scale_inv`` and add
+            ``quantization_config`` (``weight_block_size`` `TINY_FP8_BLOCK`) to ``config.json``, as the DeepSeek/GLM
+            FP8 releases do.
+        with_mtp: Write the MTP tensors (False: a target checkpoint without an MTP head).
+        config_overrides: Extra keys merged into the saved (text) config, e.g. ``{"num_nextn_predict_layers": 0}``.
+    """
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    config = tiny_target_config(family)
+    torch.manual_seed(seed)
+    model = _target_class(family)(config).eval()
+    model.save_pretrained(path)
+
+    text_config = model.config.get_text_config(decoder=True)
+    decoder_layer_class = type(model.get_decoder().layers[-1])
+    mtp = _mtp_tensors(family, text_config, decoder_layer_class, seed) if with_mtp else {}
+    if fp8:
+        quantized = {}
+        for name, tensor in mtp.items():
+            if _is_fp8_candidate(name, tensor):
+                quantized[name], quantized[name + "_scale_inv"] = _quantize_block_fp8(tensor, TINY_FP8_BLOCK)
+            else:
+                quantized[name] = tensor
+        mtp = quantized
+    trunk = read_checkpoint_tensors(path)
+    _write_checkpoint(path, trunk, mtp, sharded)
+
+    config_file = path / "config.json"
+    saved = json.loads(config_file.read_text())
+    target = saved["text_config"] if "text_config" in saved else saved
+    target.update(config_overrides or {})
+    if family == "mimo":
+        # `save_pretrained` writes the trunk class; the release names its own (remote-code) architecture.
+        saved["architectures"] = ["MiMoForCausalLM"]
+    if fp8:
+        saved["quantization_config"] = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": list(TINY_FP8_BLOCK),
+        }
+    config_file.write_text(json.dumps(saved, indent=2, sort_keys=True))
+    return path
+
+
+def mtp_ignore_patterns(config: PreTrainedConfig) -> list[str] | None:
+    """Regexes matching the MTP keys of a tiny DeepSeek/GLM/MiMo checkpoint (None: the class's own are right).
+
+    Transformers hard-codes DeepSeek-V3's as ``model\\.layers\\.61.*`` and GLM's as ``model\\.layers\\.92.*`` /
+    ``model\\.layers\\.46.*``; a tiny target has its MTP layer at ``model.layers.{num_hidden_layers}``.
+    """
+    text_config = config.get_text_config(decoder=True)
+    if text_config.model_type in ("deepseek_v3", "glm4_moe"):
+        return [rf"model\.layers\.{text_config.num_hidden_layers}\..*"]
+    if "MiMoForCausalLM" in (getattr(config, "architectures", None) or ()):
+        return [r"model\.mtp_layers\..*"]
+    return None
+
+
+@contextmanager
+def _ignore_on_load(model_class: type, patterns: list[str] | None):
+    """Temporarily set ``model_class._keys_to_ignore_on_load_unexpected`` (restored afterwards)."""
+    if patterns is None:
+        yield
+        return
+    had_own = "_keys_to_ignore_on_load_unexpected" in model_class.__dict__
+    previous = model_class.__dict__.get("_keys_to_ignore_on_load_unexpected")
+    model_class._keys_to_ignore_on_load_unexpected = patterns
+    try:
+        yield
+    finally:
+        if had_own:
+            model_class._keys_to_ignore_on_load_unexpected = previous
+        else:
+            del model_class._keys_to_ignore_on_load_unexpected
+
+
+def load_tiny_target(path: str | Path, **kwargs: Any) -> PreTrainedModel:
+    """``AutoModelForCausalLM.from_pretrained(path)`` with the MTP ignore regex fitted to the tiny depth.
+
+    The returned instance keeps the fitted ``_keys_to_ignore_on_load_unexpected`` (see `mtp_ignore_patterns`), which
+    is where Transformers' ``MtpModel.from_pretrained`` looks for the MTP keys.
+    """
+    config = AutoConfig.from_pretrained(path)
+    patterns = mtp_ignore_patterns(config)
+    model_class = AutoModelForCausalLM._model_mapping[type(config)]
+    with _ignore_on_load(model_class, patterns):
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    if patterns is not None:
+        model._keys_to_ignore_on_load_unexpected = patterns
+    return model.eval()

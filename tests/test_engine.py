@@ -1,0 +1,382 @@
+"""The speculative decoding engine: lossless greedy output for every family/strategy/layout, rollback of every
+cache kind, sampling preserves the target distribution, statistics definitions, generate() integration."""
+
+import random
+
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers.cache_utils import DynamicCache, LinearAttentionCacheLayerMixin
+
+from dmtp_hf import DMTPConfig, DMTPDraftModel
+from dmtp_hf.assistant import SpecStats, speculative_decode
+from dmtp_hf.assistant.drafters import DFlashDrafter, DMTPDrafter, Drafter, MTPDrafter, Proposal
+from dmtp_hf.assistant.generate import generate as dmtp_generate
+from dmtp_hf.testing.tiny_targets import FAMILIES, load_tiny_target, make_tiny_target
+
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory):
+    """One tiny random checkpoint (with its native MTP head) per family, loaded once."""
+    root = tmp_path_factory.mktemp("targets")
+    return {family: load_tiny_target(make_tiny_target(family, root / family)) for family in FAMILIES}
+
+
+def draft_for(target, **overrides) -> DMTPDraftModel:
+    text = target.config.get_text_config()
+    hidden = text.hidden_size
+    config = dict(
+        vocab_size=text.vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        num_target_layers=text.num_hidden_layers,
+        target_layer_ids=[0, text.num_hidden_layers - 1],
+        mask_token_id=text.vocab_size - 1,
+    )
+    config.update(overrides)
+    torch.manual_seed(1)
+    draft = DMTPDraftModel(DMTPConfig(**config)).eval()
+    if draft.fusion is not None:  # a non-zero fusion, so that fusion bugs change the drafts
+        with torch.no_grad():
+            for p in draft.fusion.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+    return draft.bind(target)
+
+
+class OracleMix(Drafter):
+    """Wraps a real drafter and overwrites a random-length prefix of its candidates with the target's true greedy
+    continuation, so rounds accept every possible number of candidates and the inner drafter's state advancement
+    (MTP cache, DFlash context) is exercised after partial acceptance."""
+
+    def __init__(self, inner: Drafter, reference: torch.Tensor, seed: int = 0):
+        self.inner, self.reference, self.rng = inner, reference, random.Random(seed)
+        self.num_candidates, self.name = inner.num_candidates, inner.name
+        self.needs_features, self.needs_mtp_hidden = inner.needs_features, inner.needs_mtp_hidden
+        self.hidden_input = getattr(inner, "hidden_input", "post_norm")
+
+    def target_layer_ids(self):
+        return self.inner.target_layer_ids()
+
+    def start(self, step):
+        self.inner.start(step)
+
+    def advance(self, step):
+        self.inner.advance(step)
+
+    def propose(self, sequence, select, stats):
+        proposal = self.inner.propose(sequence, select, stats)
+        tokens = proposal.tokens.clone()
+        truth = self.reference[:, sequence.shape[1] : sequence.shape[1] + self.rng.randint(0, self.num_candidates)]
+        tokens[:, : truth.shape[1]] = truth
+        return Proposal(tokens, proposal.scores)
+
+
+def strategies(target):
+    dual = draft_for(target)
+    dflash = draft_for(target, anchor_layout="dflash")
+    return {
+        "dmtp": DMTPDrafter(dual, dual.native_mtp),
+        "dflash": DFlashDrafter(dflash),
+        "mtp1": MTPDrafter(dual.native_mtp, 1),
+        "mtp4": MTPDrafter(dual.native_mtp, 4),
+    }
+
+
+def greedy_reference(target, prompt, max_new_tokens=MAX_NEW, **kwargs):
+    return target.generate(prompt, do_sample=False, max_new_tokens=max_new_tokens, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Lossless greedy decoding
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_identical_to_generate_for_every_strategy(targets, family):
+    target = targets[family]
+    prompt = torch.tensor([[5, 17, 42, 9, 77, 3, 64]])
+    reference = greedy_reference(target, prompt)
+    for name, drafter in strategies(target).items():
+        for oracle in (False, True):
+            used = OracleMix(drafter, reference, seed=3) if oracle else drafter
+            stats = SpecStats(used.num_candidates, name)
+            out, stats = speculative_decode(target, prompt, used, max_length=reference.shape[1], stats=stats)
+            assert torch.equal(out, reference), f"{family}/{name} oracle={oracle}"
+            if oracle:  # several different acceptance lengths were exercised
+                assert sum(1 for count in stats.hist if count) >= 2, stats.hist
+
+
+@pytest.mark.parametrize(
+    "layout,fusion",
+    [
+        ("single", "none"),
+        ("single", "hidden_residual"),
+        ("single", "replace"),
+        ("single", "residual"),
+        ("dual", "replace"),
+        ("dual", "none"),
+    ],
+)
+def test_greedy_identical_for_every_layout_and_fusion(targets, layout, fusion):
+    target = targets["qwen3_5"]
+    prompt = torch.tensor([[11, 12, 13, 90, 91]])
+    reference = greedy_reference(target, prompt)
+    draft = draft_for(target, anchor_layout=layout, fusion=fusion)
+    drafter = OracleMix(DMTPDrafter(draft, draft.native_mtp), reference, seed=5)
+    out, _ = speculative_decode(target, prompt, drafter, max_length=reference.shape[1])
+    assert torch.equal(out, reference)
+
+
+def test_generate_entry_points_and_edge_cases(targets):
+    target = targets["qwen3_5_moe"]
+    draft = draft_for(target)
+    prompt = torch.tensor([[7, 8, 9, 10]])
+    reference = greedy_reference(target, prompt, max_new_tokens=30)
+
+    # through target.generate(assistant_model=...) on a stateful (hybrid) target, with the dict output
+    out = target.generate(
+        prompt, assistant_model=draft, do_sample=False, max_new_tokens=30, return_dict_in_generate=True
+    )
+    assert torch.equal(out.sequences, reference)
+    assert out.spec_stats.num_rounds > 0 and out.spec_stats.strategy == "dmtp"
+
+    # max_new_tokens in mid-block, for every budget
+    for budget in (1, 2, 5, 9):
+        got = target.generate(prompt, assistant_model=draft, do_sample=False, max_new_tokens=budget)
+        assert torch.equal(got, reference[:, : prompt.shape[1] + budget])
+
+    # EOS in mid-block: stop exactly where plain generate stops
+    eos = int(reference[0, prompt.shape[1] + 6])
+    expected = greedy_reference(target, prompt, max_new_tokens=30, eos_token_id=eos)
+    got = dmtp_generate(
+        target,
+        prompt,
+        OracleMix(DMTPDrafter(draft, draft.native_mtp), reference),
+        do_sample=False,
+        max_new_tokens=30,
+        eos_token_id=eos,
+    )
+    assert torch.equal(got, expected)
+
+    # prompt of length 1
+    one = torch.tensor([[42]])
+    assert torch.equal(
+        target.generate(one, assistant_model=draft, do_sample=False, max_new_tokens=12),
+        greedy_reference(target, one, max_new_tokens=12),
+    )
+
+    # a draft that is always wrong still decodes losslessly (one token per round)
+    class AlwaysWrong(DMTPDrafter):
+        def propose(self, sequence, select, stats):
+            proposal = super().propose(sequence, select, stats)
+            truth = reference[:, sequence.shape[1]]
+            return Proposal(torch.where(proposal.tokens == truth, (truth + 1) % 100, proposal.tokens), None)
+
+    wrong = AlwaysWrong(draft, draft.native_mtp)
+    got, stats = speculative_decode(target, prompt, wrong, max_length=reference.shape[1])
+    assert torch.equal(got, reference)
+    assert stats.hist[0] == stats.num_rounds and stats.acceptance_length_per_verify == 1.0
+
+    # logits processors apply identically to draft and target
+    kwargs = dict(do_sample=False, max_new_tokens=20, repetition_penalty=1.3, no_repeat_ngram_size=3)
+    assert torch.equal(target.generate(prompt, assistant_model=draft, **kwargs), target.generate(prompt, **kwargs))
+
+    # a plain generate on the bound target is untouched
+    assert torch.equal(target.generate(prompt, do_sample=False, max_new_tokens=30), reference)
+
+
+def test_streamer_receives_exactly_the_output(targets):
+    target = targets["deepseek_v3"]
+    draft = draft_for(target)
+    prompt = torch.tensor([[3, 1, 4, 1, 5]])
+
+    class Collect:
+        def __init__(self):
+            self.chunks, self.ended = [], False
+
+        def put(self, value):
+            self.chunks.append(value.flatten())
+
+        def end(self):
+            self.ended = True
+
+    streamer = Collect()
+    out = target.generate(prompt, assistant_model=draft, do_sample=False, max_new_tokens=15, streamer=streamer)
+    assert streamer.ended and torch.equal(torch.cat(streamer.chunks), out[0])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rollback: after every round the target cache equals a fresh prefill over the committed tokens
+
+
+def _cache_tensors(cache):
+    out = []
+    for layer in cache.layers:
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            out += [s for s in layer.recurrent_states.values() if s is not None]
+            out += [s[..., -layer.conv_kernel_size[i] :] for i, s in layer.conv_states.items() if s is not None]
+        if getattr(layer, "keys", None) is not None and layer.keys.numel():
+            out += [layer.keys, layer.values]
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "deepseek_v3"])
+def test_cache_after_every_round_equals_fresh_prefill(targets, family):
+    target = targets[family]
+    prompt = torch.tensor([[21, 22, 23, 24, 25, 26]])
+    reference = greedy_reference(target, prompt)
+    drafter = OracleMix(strategies(target)["dmtp"], reference, seed=11)
+    checked = []
+
+    def check(cache, sequence):
+        fresh = DynamicCache(config=target.config)
+        with torch.no_grad():
+            target(sequence[:, :-1], cache=fresh, use_cache=True)
+        ours, theirs = _cache_tensors(cache), _cache_tensors(fresh)
+        assert len(ours) == len(theirs) and len(ours) > 0
+        for a, b in zip(ours, theirs):
+            assert a.shape == b.shape
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        checked.append(sequence.shape[1])
+
+    speculative_decode(target, prompt, drafter, max_length=reference.shape[1], on_round=check)
+    assert len(checked) >= 3
+    if family.startswith("qwen"):
+        assert any(
+            isinstance(layer, LinearAttentionCacheLayerMixin) for layer in DynamicCache(config=target.config).layers
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sampling: the output distribution is the target's
+
+
+def _tiny_vocab_pair(vocab=6):
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+    )
+    target = Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(8.0)  # a peaked but not degenerate distribution
+    draft_config = DMTPConfig(
+        vocab_size=vocab,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        num_target_layers=2,
+        target_layer_ids=[0],
+        mask_token_id=vocab - 1,
+        anchor_layout="dflash",
+        fusion="none",
+        num_candidates=3,
+    )
+    draft = DMTPDraftModel(draft_config).eval().bind(target)
+    return target, draft
+
+
+def _exact_distribution(target, prompt, steps, temperature):
+    """P(x_{P+1..P+steps}) by enumeration: the target's exact distribution of the first `steps` tokens."""
+    vocab = target.config.vocab_size
+    probs = {(): 1.0}
+    for _ in range(steps):
+        new = {}
+        for seq, p in probs.items():
+            ids = torch.cat([prompt, torch.tensor([list(seq)], dtype=torch.long)], dim=1)
+            with torch.no_grad():
+                dist = (target(ids).logits[0, -1].float() / temperature).softmax(-1)
+            for tok in range(vocab):
+                new[seq + (tok,)] = p * float(dist[tok])
+        probs = new
+    return probs
+
+
+@pytest.mark.parametrize("mode", ["match", "rejection"])
+def test_sampling_preserves_target_distribution(mode):
+    from scipy.stats import chisquare  # noqa: PLC0415
+
+    target, draft = _tiny_vocab_pair()
+    prompt = torch.tensor([[1, 2, 0]])
+    steps, temperature, runs = 3, 1.5, 1500
+    exact = _exact_distribution(target, prompt, steps, temperature)
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper
+
+    processors = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
+    counts = {}
+    drafter = DFlashDrafter(draft)
+    stats = SpecStats(drafter.num_candidates)
+    torch.manual_seed(1234)
+    for _ in range(runs):
+        out, _ = speculative_decode(
+            target,
+            prompt,
+            drafter,
+            max_length=prompt.shape[1] + steps,
+            do_sample=True,
+            logits_processor=processors,
+            verify_mode=mode,
+            stats=stats,
+        )
+        key = tuple(out[0, prompt.shape[1] :].tolist())
+        counts[key] = counts.get(key, 0) + 1
+    # Merge rare cells so every expected count is >= 5 (chi-square validity), then test at alpha = 0.001.
+    cells = sorted(exact, key=exact.get, reverse=True)
+    observed, expected, rest_o, rest_e = [], [], 0, 0.0
+    for cell in cells:
+        e = exact[cell] * runs
+        if e >= 5:
+            observed.append(counts.get(cell, 0))
+            expected.append(e)
+        else:
+            rest_o += counts.get(cell, 0)
+            rest_e += e
+    observed.append(rest_o)
+    expected.append(rest_e)
+    assert stats.num_rounds > 0 and 0 < stats.first_candidate_acceptance  # drafts were really accepted sometimes
+    total = sum(expected)
+    expected = [e * runs / total for e in expected]  # remove float round-off so the sums agree exactly
+    p_value = chisquare(observed, expected).pvalue
+    assert p_value > 1e-3, (mode, p_value, observed, expected)
+
+
+def test_sampling_through_generate_runs(targets):
+    target = targets["qwen3_5"]
+    draft = draft_for(target)
+    prompt = torch.tensor([[4, 5, 6]])
+    torch.manual_seed(0)
+    out = target.generate(
+        prompt, assistant_model=draft, do_sample=True, temperature=0.8, top_k=20, top_p=0.9, max_new_tokens=10
+    )
+    assert out.shape == (1, 13)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Statistics definitions
+
+
+def test_statistics_follow_the_design_definitions():
+    stats = SpecStats(num_candidates=3)
+    a, b = stats.new_request(), stats.new_request()
+    a.hist, a.rounds, a.round_tokens = [1, 0, 2, 1], 4, 1 + 3 + 3 + 4
+    b.hist, b.rounds, b.round_tokens = [2, 1, 0, 0], 3, 1 + 1 + 2
+    assert stats.hist == [3, 1, 2, 1]
+    assert stats.acceptance_length_per_verify == pytest.approx(1 + (0 * 3 + 1 * 1 + 2 * 2 + 3 * 1) / 7)
+    assert stats.acceptance_length_per_request == pytest.approx((11 / 4 + 4 / 3) / 2)
+    assert stats.first_candidate_acceptance == pytest.approx(1 - 3 / 7)
+    assert stats.cumulative_acceptance == pytest.approx([4 / 7, 3 / 7, 1 / 7])
+    assert stats.conditional_acceptance == pytest.approx([4 / 7, 3 / 4, 1 / 3])
+    assert stats.to_dict()["hist"] == [3, 1, 2, 1]
