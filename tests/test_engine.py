@@ -5,7 +5,6 @@ import random
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
 from transformers.cache_utils import DynamicCache, LinearAttentionCacheLayerMixin
 
 from dmtp_hf import DMTPConfig, DMTPDraftModel
@@ -66,13 +65,13 @@ class OracleMix(Drafter):
     def start(self, step):
         self.inner.start(step)
 
-    def advance(self, step):
-        self.inner.advance(step)
+    def advance(self, step, stats=None):
+        self.inner.advance(step, stats)
 
-    def propose(self, sequence, select, stats):
-        proposal = self.inner.propose(sequence, select, stats)
+    def propose(self, prefix, anchor_positions, select, stats):
+        proposal = self.inner.propose(prefix, anchor_positions, select, stats)
         tokens = proposal.tokens.clone()
-        truth = self.reference[:, sequence.shape[1] : sequence.shape[1] + self.rng.randint(0, self.num_candidates)]
+        truth = self.reference[:, prefix.shape[1] : prefix.shape[1] + self.rng.randint(0, self.num_candidates)]
         tokens[:, : truth.shape[1]] = truth
         return Proposal(tokens, proposal.scores)
 
@@ -172,9 +171,9 @@ def test_generate_entry_points_and_edge_cases(targets):
 
     # a draft that is always wrong still decodes losslessly (one token per round)
     class AlwaysWrong(DMTPDrafter):
-        def propose(self, sequence, select, stats):
-            proposal = super().propose(sequence, select, stats)
-            truth = reference[:, sequence.shape[1]]
+        def propose(self, prefix, anchor_positions, select, stats):
+            proposal = super().propose(prefix, anchor_positions, select, stats)
+            truth = reference[:, prefix.shape[1]]
             return Proposal(torch.where(proposal.tokens == truth, (truth + 1) % 100, proposal.tokens), None)
 
     wrong = AlwaysWrong(draft, draft.native_mtp)
@@ -256,37 +255,23 @@ def test_cache_after_every_round_equals_fresh_prefill(targets, family):
 # Sampling: the output distribution is the target's
 
 
-def _tiny_vocab_pair(vocab=6):
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=vocab,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=8,
-    )
-    target = Qwen3ForCausalLM(config).eval()
+@pytest.fixture(scope="module")
+def tiny_vocab_target(tmp_path_factory):
+    """A DeepSeek-V3 tiny target (with its MTP head) over a 6-token vocabulary, for exact distributions."""
+    target = load_tiny_target(make_tiny_target("deepseek_v3", tmp_path_factory.mktemp("v6"), vocab_size=6))
     with torch.no_grad():
-        target.lm_head.weight.mul_(8.0)  # a peaked but not degenerate distribution
-    draft_config = DMTPConfig(
-        vocab_size=vocab,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=8,
-        num_target_layers=2,
-        target_layer_ids=[0],
-        mask_token_id=vocab - 1,
-        anchor_layout="dflash",
-        fusion="none",
-        num_candidates=3,
-    )
-    draft = DMTPDraftModel(draft_config).eval().bind(target)
-    return target, draft
+        target.lm_head.weight.mul_(6.0)  # peaked but not degenerate: drafts are accepted and rejected
+    return target
+
+
+def _tiny_vocab_drafter(target, strategy):
+    common = dict(num_candidates=3, num_hidden_layers=1, target_layer_ids=[0])
+    if strategy == "dflash":
+        return DFlashDrafter(draft_for(target, anchor_layout="dflash", fusion="none", **common))
+    draft = draft_for(target, **common)
+    if strategy == "dmtp":
+        return DMTPDrafter(draft, draft.native_mtp)
+    return MTPDrafter(draft.native_mtp, 2)
 
 
 def _exact_distribution(target, prompt, steps, temperature):
@@ -305,19 +290,23 @@ def _exact_distribution(target, prompt, steps, temperature):
     return probs
 
 
-@pytest.mark.parametrize("mode", ["match", "rejection"])
-def test_sampling_preserves_target_distribution(mode):
+@pytest.mark.parametrize(
+    "strategy,mode", [("dflash", "match"), ("dflash", "rejection"), ("dmtp", "rejection"), ("mtp", "rejection")]
+)
+def test_sampling_preserves_target_distribution(tiny_vocab_target, strategy, mode):
+    """Chi-square goodness of fit of the first 3 sampled tokens against the exact target distribution, at a 0.1%
+    significance level (a biased verifier gives p ~ 1e-70 here)."""
     from scipy.stats import chisquare  # noqa: PLC0415
 
-    target, draft = _tiny_vocab_pair()
+    target = tiny_vocab_target
     prompt = torch.tensor([[1, 2, 0]])
-    steps, temperature, runs = 3, 1.5, 1500
+    steps, temperature, runs = 3, 1.5, 1200
     exact = _exact_distribution(target, prompt, steps, temperature)
     from transformers import LogitsProcessorList, TemperatureLogitsWarper
 
     processors = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
     counts = {}
-    drafter = DFlashDrafter(draft)
+    drafter = _tiny_vocab_drafter(target, strategy)
     stats = SpecStats(drafter.num_candidates)
     torch.manual_seed(1234)
     for _ in range(runs):
@@ -350,7 +339,7 @@ def test_sampling_preserves_target_distribution(mode):
     total = sum(expected)
     expected = [e * runs / total for e in expected]  # remove float round-off so the sums agree exactly
     p_value = chisquare(observed, expected).pvalue
-    assert p_value > 1e-3, (mode, p_value, observed, expected)
+    assert p_value > 1e-3, (strategy, mode, p_value, observed, expected)
 
 
 def test_sampling_through_generate_runs(targets):
@@ -380,3 +369,29 @@ def test_statistics_follow_the_design_definitions():
     assert stats.cumulative_acceptance == pytest.approx([4 / 7, 3 / 7, 1 / 7])
     assert stats.conditional_acceptance == pytest.approx([4 / 7, 3 / 4, 1 / 3])
     assert stats.to_dict()["hist"] == [3, 1, 2, 1]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The same drafters inside Transformers' stock assisted-decoding loop (non-stateful targets)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "mimo"])
+def test_candidate_generator_in_transformers_loop_is_lossless(targets, family):
+    from dmtp_hf.assistant.candidate_generator import generate_with_transformers_loop
+
+    target = targets[family]
+    prompt = torch.tensor([[5, 17, 42, 9, 77, 3, 64]])
+    reference = greedy_reference(target, prompt)
+    for name, drafter in strategies(target).items():
+        mixed = OracleMix(drafter, reference, seed=2)
+        out = generate_with_transformers_loop(target, prompt, mixed, do_sample=False, max_new_tokens=MAX_NEW)
+        assert torch.equal(out, reference), name
+        assert sum(1 for count in mixed.last_stats.hist if count) >= 2
+
+
+def test_transformers_loop_refuses_stateful_targets(targets):
+    from dmtp_hf.assistant.candidate_generator import generate_with_transformers_loop
+
+    target = targets["qwen3_5"]
+    with pytest.raises(ValueError, match="stateful"):
+        generate_with_transformers_loop(target, torch.tensor([[1, 2]]), strategies(target)["dmtp"], max_new_tokens=4)

@@ -14,12 +14,14 @@ from transformers import AutoConfig, AutoModel
 
 from .assistant import (
     DFlashDrafter,
+    DMTPCandidateGenerator,
     DMTPDrafter,
     DMTPGenerateOutput,
     MTPDrafter,
     SpecStats,
     dmtp_custom_generate,
     generate,
+    generate_with_transformers_loop,
     speculative_decode,
 )
 from .modeling import (
@@ -39,6 +41,7 @@ AutoModel.register(DMTPConfig, DMTPDraftModel, exist_ok=True)
 
 __all__ = [
     "DFlashDrafter",
+    "DMTPCandidateGenerator",
     "DMTPConfig",
     "DMTPDraftModel",
     "DMTPDrafter",
@@ -52,6 +55,7 @@ __all__ = [
     "__version__",
     "dmtp_custom_generate",
     "generate",
+    "generate_with_transformers_loop",
     "load_native_mtp",
     "speculative_decode",
 ]

@@ -1,4 +1,5 @@
-"""The ``dmtp`` command: ``demo``, ``convert``, ``info``.
+"""The ``dmtp`` command: ``demo``, ``convert``, ``info``, ``eval``, ``bench``, ``push``, ``train``, ``regenerate``,
+``extract``.
 
 Every subcommand turns expected failures (bad paths, incompatible checkpoints) into a one-line error and a
 non-zero exit code instead of a stack trace.
@@ -66,7 +67,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``dmtp`` console script."""
-    parser = argparse.ArgumentParser(prog="dmtp", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="dmtp", description="DMTP speculative decoding: demo, conversion, training, evaluation, benchmarks."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="run DMTP on the bundled small models and print acceptance statistics")
@@ -86,12 +89,37 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="summarise a DMTP or DFlash checkpoint's config")
     info.add_argument("path", type=Path)
     info.set_defaults(func=_cmd_info)
+
+    from .evaluation.commands import add_subcommands
+
+    add_subcommands(sub)  # eval, bench, push
+    for name, (_, help_text) in _DELEGATED.items():  # listed in --help; parsed by their own modules
+        sub.add_parser(name, help=help_text, add_help=False)
     return parser
+
+
+# Subcommands that own their argument parser (``dmtp train --help`` shows theirs).
+_DELEGATED = {
+    "train": ("dmtp_hf.training.trainer", "train a DMTP or DFlash draft from a YAML config"),
+    "regenerate": ("dmtp_hf.training.regenerate", "rewrite a chat JSONL's assistant turns with the target"),
+    "extract": ("dmtp_hf.training.features", "write offline target/MTP feature shards for training"),
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``dmtp`` console script."""
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in _DELEGATED:
+        import importlib
+
+        module = importlib.import_module(_DELEGATED[argv[0]][0])
+        try:
+            return module.main(argv[1:])
+        except (ValueError, OSError, NotImplementedError) as err:
+            print(f"dmtp {argv[0]}: error: {err}", file=sys.stderr)
+            return 2
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
         return args.func(args)
     except (ValueError, OSError, NotImplementedError) as err:

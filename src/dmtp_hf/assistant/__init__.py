@@ -1,5 +1,6 @@
 """What runs at generation: drafters, the decoding round, verification, cache rollback, statistics."""
 
+from .candidate_generator import DMTPCandidateGenerator, generate_with_transformers_loop
 from .decoding import speculative_decode
 from .drafters import DFlashDrafter, DMTPDrafter, Drafter, MTPDrafter, Proposal, TargetStep, TokenSelector
 from .generate import DMTPGenerateOutput, as_drafter, dmtp_custom_generate, generate, install_generate_router
@@ -8,6 +9,7 @@ from .verification import VERIFY_MODES, verify
 
 __all__ = [
     "DFlashDrafter",
+    "DMTPCandidateGenerator",
     "DMTPDrafter",
     "DMTPGenerateOutput",
     "Drafter",
@@ -20,6 +22,7 @@ __all__ = [
     "as_drafter",
     "dmtp_custom_generate",
     "generate",
+    "generate_with_transformers_loop",
     "install_generate_router",
     "speculative_decode",
     "verify",

@@ -8,6 +8,7 @@ positions the target has just committed) and returns a :class:`Proposal` per rou
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -19,17 +20,30 @@ from .stats import SpecStats
 from .verification import process_logits, select_tokens
 
 
+def _pair_mask(step: TargetStep) -> torch.Tensor | None:
+    """The MTP head's pair mask (``None`` when every pair is real, which keeps its fast unmasked path)."""
+    if step.mask is None or bool(step.mask.all()):
+        return None
+    return step.mask.long()
+
+
+def _stage(stats: SpecStats | None, name: str):
+    return stats.stage(name) if stats is not None else contextlib.nullcontext()
+
+
 @dataclass
 class TargetStep:
     """What the target just committed, handed to drafters after prefill and after each verify.
 
-    For the ``n`` new positions ``t = start .. start + n - 1``: ``next_tokens[:, i]`` = ``x_{t+1}`` (the token that
-    followed position t), ``mtp_hidden[:, i]`` = ``h_t`` as the MTP head reads it (post-norm by default), and
-    ``features[:, i]`` = the DFlash context features of position t (target layers concatenated).
+    Entry i of row b is target position ``positions[b, i] = t``: ``next_tokens[b, i]`` = ``x_{t+1}`` (the token that
+    followed position t), ``mtp_hidden[b, i]`` = ``h_t`` as the MTP head reads it (post-norm by default) and
+    ``features[b, i]`` = the DFlash context features of position t. ``mask[b, i]`` says whether the entry is real:
+    batched rows commit different numbers of tokens, and prompts may be left-padded (``None``: all real).
     """
 
-    start: int
+    positions: torch.Tensor  # [B, n]
     next_tokens: torch.Tensor  # [B, n]
+    mask: torch.Tensor | None  # [B, n] bool
     mtp_hidden: torch.Tensor | None  # [B, n, H]
     features: torch.Tensor | None  # [B, n, k*H]
 
@@ -83,41 +97,68 @@ class Drafter:
         """Initialise the drafter's state from the prompt (after the target prefill)."""
         raise NotImplementedError
 
-    def propose(self, sequence: torch.Tensor, select: TokenSelector, stats: SpecStats) -> Proposal:
-        """Propose ``num_candidates`` tokens after ``sequence`` (whose last token A the target has not seen)."""
+    def propose(
+        self, prefix: torch.Tensor, anchor_positions: torch.Tensor, select: TokenSelector, stats: SpecStats
+    ) -> Proposal:
+        """Propose ``num_candidates`` tokens per row.
+
+        ``prefix`` ``[B, L]`` holds each row's committed tokens right-aligned (left-padded), so ``prefix[:, -1]``
+        is A, the last emitted token the target has not processed yet; ``anchor_positions`` ``[B]`` is A's position.
+        """
         raise NotImplementedError
 
-    def advance(self, step: TargetStep) -> None:
-        """Commit the positions the last verify accepted (accepted tokens + bonus)."""
+    def advance(self, step: TargetStep, stats: SpecStats | None = None) -> None:
+        """Commit the positions the last verify accepted (accepted tokens + bonus); MTP work is timed as ``mtp``."""
         raise NotImplementedError
 
 
 class _DFlashContext:
-    """The DFlash draft's context: cached context K/V plus target features not yet fed to the draft."""
+    """The DFlash draft's context: cached context K/V plus target features not yet fed to the draft.
+
+    Entries are appended in commit order with their own positions (RoPE) and validity: the block attends to every
+    real context entry, so their order in the cache does not matter and padded entries are simply masked.
+    """
 
     def __init__(self, draft: DMTPDraftModel) -> None:
         self.draft = draft
         self.cache = DynamicCache()
-        self.pending: torch.Tensor | None = None  # [B, c, k*H] features of positions not yet in the cache
-        self.pending_start = 0
+        self.pending: list[TargetStep] = []
+        self.positions: torch.Tensor | None = None  # [B, C] positions of the cached entries
+        self.mask: torch.Tensor | None = None  # [B, C] validity of the cached entries
 
     def add(self, step: TargetStep) -> None:
-        if self.pending is None:
-            self.pending, self.pending_start = step.features, step.start
-        else:
-            self.pending = torch.cat([self.pending, step.features], dim=1)
+        """Queue the features of newly committed positions (fed to the draft with the next block)."""
+        self.pending.append(step)
 
-    def run_block(self, block_embeds: torch.Tensor, anchor_position: int) -> torch.Tensor:
+    def run_block(self, block_embeds: torch.Tensor, anchor_positions: torch.Tensor) -> torch.Tensor:
         """One draft forward over the block; returns the final-normed block hidden ``[B, Q, H]``."""
-        cached = self.cache.get_seq_length()
-        new = 0 if self.pending is None else self.pending.shape[1]
-        block_positions = self.draft.block_position_ids(torch.tensor([anchor_position], device=block_embeds.device))
-        positions = torch.cat(
-            [torch.arange(cached, cached + new, device=block_embeds.device)[None], block_positions], dim=1
-        ).expand(block_embeds.shape[0], -1)
-        hidden = self.draft(block_embeds, self.pending, positions, cache=self.cache).last_hidden_state
-        self.pending = None
-        return hidden
+        features = torch.cat([step.features for step in self.pending], dim=1) if self.pending else None
+        new_positions = torch.cat([step.positions for step in self.pending], dim=1) if self.pending else None
+        new_mask = (
+            torch.cat(
+                [
+                    step.mask if step.mask is not None else torch.ones_like(step.positions, dtype=torch.bool)
+                    for step in self.pending
+                ],
+                dim=1,
+            )
+            if self.pending
+            else None
+        )
+        self.pending = []
+        if new_positions is not None:
+            self.positions = new_positions if self.positions is None else torch.cat([self.positions, new_positions], 1)
+            self.mask = new_mask if self.mask is None else torch.cat([self.mask, new_mask], 1)
+        block_positions = self.draft.block_position_ids(anchor_positions)
+        positions = block_positions if new_positions is None else torch.cat([new_positions, block_positions], dim=1)
+        return self.draft(
+            block_embeds,
+            features,
+            positions,
+            cache=self.cache,
+            context_mask=self.mask,
+            context_positions=self.positions,
+        ).last_hidden_state
 
 
 class DFlashDrafter(Drafter):
@@ -145,16 +186,18 @@ class DFlashDrafter(Drafter):
         self.context = _DFlashContext(self.draft)
         self.context.add(step)
 
-    def propose(self, sequence: torch.Tensor, select: TokenSelector, stats: SpecStats) -> Proposal:
+    def propose(
+        self, prefix: torch.Tensor, anchor_positions: torch.Tensor, select: TokenSelector, stats: SpecStats
+    ) -> Proposal:
         """``[A, MASK x K]`` -> K candidates."""
         with stats.stage("dflash"):
-            block = self.draft.block_embeddings(sequence[:, -1])
-            hidden = self.context.run_block(block, sequence.shape[1] - 1)
+            block = self.draft.block_embeddings(prefix[:, -1])
+            hidden = self.context.run_block(block, anchor_positions)
             logits = self.draft.compute_logits(hidden[:, self.draft.config.first_predicted_slot :])
-            tokens, scores = select(logits, sequence)
+            tokens, scores = select(logits, prefix)
         return Proposal(tokens, scores)
 
-    def advance(self, step: TargetStep) -> None:
+    def advance(self, step: TargetStep, stats: SpecStats | None = None) -> None:
         """Queue the accepted positions' features."""
         self.context.add(step)
 
@@ -179,16 +222,19 @@ class MTPDrafter(Drafter):
 
     def start(self, step: TargetStep) -> None:
         """Prefill the MTP head over all prompt pairs."""
-        self.mtp.prefill(step.next_tokens, step.mtp_hidden, step.start)
+        with torch.no_grad():
+            self.mtp.prefill(step.next_tokens, step.mtp_hidden, step.positions, _pair_mask(step))
 
-    def propose(self, sequence: torch.Tensor, select: TokenSelector, stats: SpecStats) -> Proposal:
+    def propose(
+        self, prefix: torch.Tensor, anchor_positions: torch.Tensor, select: TokenSelector, stats: SpecStats
+    ) -> Proposal:
         """Chain the MTP layer k times; each step is selected with the processors and the prefix it extends."""
         chosen: list[torch.Tensor] = []
         scores: list[torch.Tensor] = []
 
         def select_step(logits: torch.Tensor) -> torch.Tensor:
-            prefix = torch.cat([sequence, *[t[:, None] for t in chosen]], dim=1)
-            token, score = select(logits[:, None], prefix)
+            seen = torch.cat([prefix, *[t[:, None] for t in chosen]], dim=1)
+            token, score = select(logits[:, None], seen)
             chosen.append(token[:, 0])
             scores.append(score[:, 0])
             return token[:, 0]
@@ -197,10 +243,10 @@ class MTPDrafter(Drafter):
             tokens, _ = self.mtp.propose(self.num_candidates, select_step)
         return Proposal(tokens, torch.stack(scores, dim=1))
 
-    def advance(self, step: TargetStep) -> None:
+    def advance(self, step: TargetStep, stats: SpecStats | None = None) -> None:
         """Commit the accepted pairs to the MTP cache."""
-        with torch.no_grad():
-            self.mtp.advance(step.next_tokens, step.mtp_hidden, step.start)
+        with _stage(stats, "mtp"), torch.no_grad():
+            self.mtp.advance(step.next_tokens, step.mtp_hidden, step.positions, _pair_mask(step))
 
 
 class DMTPDrafter(Drafter):
@@ -232,22 +278,24 @@ class DMTPDrafter(Drafter):
         self.context = _DFlashContext(self.draft)
         self.context.add(step)
         with torch.no_grad():
-            self.mtp.prefill(step.next_tokens, step.mtp_hidden, step.start)
+            self.mtp.prefill(step.next_tokens, step.mtp_hidden, step.positions, _pair_mask(step))
 
-    def propose(self, sequence: torch.Tensor, select: TokenSelector, stats: SpecStats) -> Proposal:
+    def propose(
+        self, prefix: torch.Tensor, anchor_positions: torch.Tensor, select: TokenSelector, stats: SpecStats
+    ) -> Proposal:
         """T1 from the cached MTP hidden, fusion, one DFlash forward for T2..T7."""
         with stats.stage("t1_fusion"):
             t1_logits, mtp_hidden = self.mtp.predict()  # the MTP hidden that predicts T1
-            t1, t1_scores = select(t1_logits[:, None], sequence)
-            block = self.draft.block_embeddings(sequence[:, -1], t1[:, 0], mtp_hidden)
+            t1, t1_scores = select(t1_logits[:, None], prefix)
+            block = self.draft.block_embeddings(prefix[:, -1], t1[:, 0], mtp_hidden)
         with stats.stage("dflash"):
-            hidden = self.context.run_block(block, sequence.shape[1] - 1)
+            hidden = self.context.run_block(block, anchor_positions)
             logits = self.draft.compute_logits(hidden[:, self.draft.config.first_predicted_slot :])
-            rest, rest_scores = select(logits, torch.cat([sequence, t1], dim=1))
+            rest, rest_scores = select(logits, torch.cat([prefix, t1], dim=1))
         return Proposal(torch.cat([t1, rest], dim=1), torch.cat([t1_scores, rest_scores], dim=1))
 
-    def advance(self, step: TargetStep) -> None:
+    def advance(self, step: TargetStep, stats: SpecStats | None = None) -> None:
         """Commit accepted pairs to the MTP cache (its next ``g`` predicts the next T1); queue DFlash context."""
         self.context.add(step)
-        with torch.no_grad():
-            self.mtp.advance(step.next_tokens, step.mtp_hidden, step.start)
+        with _stage(stats, "mtp"), torch.no_grad():
+            self.mtp.advance(step.next_tokens, step.mtp_hidden, step.positions, _pair_mask(step))

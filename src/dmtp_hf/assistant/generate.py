@@ -75,19 +75,14 @@ def dmtp_custom_generate(
     """
     if dmtp_drafter is None:
         raise ValueError("dmtp_custom_generate needs `dmtp_drafter=` (see dmtp_hf.as_drafter).")
-    if input_ids.shape[0] != 1:
-        raise NotImplementedError(
-            f"DMTP speculative decoding currently supports batch size 1 (got {input_ids.shape[0]})."
-        )
-    attention_mask = model_kwargs.get("attention_mask")
-    if attention_mask is not None and not bool(attention_mask.all()):
-        raise NotImplementedError("Padded inputs are not supported by DMTP speculative decoding yet.")
     cache = model_kwargs.get("cache") or model_kwargs.get("past_key_values")
     sequences, stats = speculative_decode(
         model,
         input_ids,
         dmtp_drafter,
         max_length=generation_config.max_length,
+        attention_mask=model_kwargs.get("attention_mask"),
+        pad_token_id=None if generation_config._pad_token_tensor is None else int(generation_config._pad_token_tensor),
         do_sample=bool(generation_config.do_sample),
         logits_processor=logits_processor,
         stopping_criteria=stopping_criteria,

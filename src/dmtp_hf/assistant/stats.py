@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-STAGES = ("prefill", "mtp", "t1_fusion", "dflash", "verify", "rollback_advance")
+STAGES = ("prefill", "draft_prefill", "mtp", "t1_fusion", "dflash", "verify", "rollback")
 
 
 @dataclass
@@ -43,9 +43,10 @@ class RequestStats:
 class SpecStats:
     """Aggregated statistics of one or many speculative ``generate`` calls (one entry per request/turn).
 
-    Stage times are wall-clock seconds per stage (``prefill``, ``mtp`` (MTP advance/drafting), ``t1_fusion``
-    (T1 head + embedding + fusion), ``dflash``, ``verify``, ``rollback_advance``); on CUDA they are exact only
-    when the engine runs with ``profile=True`` (it then synchronises around each stage).
+    Stage times are wall-clock seconds per stage: ``prefill`` (target), ``draft_prefill`` (MTP + DFlash state
+    over the prompt), ``mtp`` (MTP advance and MTP-k chaining), ``t1_fusion`` (T1 head + selection + embedding +
+    fusion), ``dflash`` (the parallel draft forward), ``verify`` (target forward + acceptance), ``rollback``
+    (target cache crop / restore + replay). On CUDA they are exact only with ``profile=True`` (synchronised).
     """
 
     def __init__(self, num_candidates: int, strategy: str = "dmtp") -> None:

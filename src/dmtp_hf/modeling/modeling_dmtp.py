@@ -472,6 +472,8 @@ class DMTPDraftModel(DMTPPreTrainedModel):
         cache: Cache | None = None,
         use_cache: bool = False,
         context_is_projected: bool = False,
+        context_mask: torch.Tensor | None = None,
+        context_positions: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> BaseModelOutputWithPast:
         """Run the backbone on block slots.
@@ -486,6 +488,10 @@ class DMTPDraftModel(DMTPPreTrainedModel):
             cache: a :class:`~transformers.DynamicCache` holding context K/V only.
             use_cache: create a cache when ``cache`` is ``None``.
             context_is_projected: ``context_features`` already went through :meth:`project_context`.
+            context_mask: ``[B, C_cached + C_new]`` which context entries are real (batched decoding appends padded
+                entries for rows that committed fewer tokens); ``None`` = all.
+            context_positions: ``[B, C_cached + C_new]`` positions of all context entries, needed only for sliding
+                windows when they are not ``0 .. C-1``.
 
         Returns:
             ``BaseModelOutputWithPast`` whose ``last_hidden_state`` is the final-normed ``[B, Q, H]``.
@@ -512,7 +518,9 @@ class DMTPDraftModel(DMTPPreTrainedModel):
             if attention_mask is not None:
                 masks = {"full_attention": attention_mask, "sliding_attention": attention_mask}
             else:
-                masks = self._inference_masks(position_ids, c_new, q_len, cache, inputs_embeds.dtype)
+                masks = self._inference_masks(
+                    position_ids, c_new, q_len, cache, inputs_embeds.dtype, context_mask, context_positions
+                )
 
         hidden_states = inputs_embeds
         for layer in self.layers:
@@ -528,34 +536,63 @@ class DMTPDraftModel(DMTPPreTrainedModel):
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache if use_cache else None)
 
     def _inference_masks(
-        self, position_ids: torch.Tensor, c_new: int, q_len: int, cache: Cache | None, dtype: torch.dtype
+        self,
+        position_ids: torch.Tensor,
+        c_new: int,
+        q_len: int,
+        cache: Cache | None,
+        dtype: torch.dtype,
+        context_mask: torch.Tensor | None = None,
+        context_positions: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor | None]:
         """Masks for one block whose context (cached + new) lies entirely before its anchor.
 
-        Full-attention layers see everything (``None`` keeps the fastest kernels); sliding layers get a dense
-        window mask, assuming cached context positions are ``0 .. cached-1``.
+        Full-attention layers see every real context entry and the whole block (``None`` when nothing is masked,
+        which keeps the fastest kernels); sliding layers also get their window (context positions default to
+        ``0 .. C-1``).
         """
         masks: dict[str, torch.Tensor | None] = {"full_attention": None, "sliding_attention": None}
-        if "sliding_attention" not in self.config.layer_types:
+        if context_mask is not None and bool(context_mask.all()):
+            context_mask = None
+        attentions = {layer.self_attn.layer_type: layer.self_attn for layer in self.layers}
+        needs_mask = {
+            layer_type: context_mask is not None or attn.block_causal or attn.sliding_window is not None
+            for layer_type, attn in attentions.items()
+        }
+        if not any(needs_mask.values()):
             return masks
         cached = cache.get_seq_length() if cache is not None else 0
-        bsz = position_ids.shape[0]
-        cached_pos = torch.arange(cached, device=position_ids.device).expand(bsz, -1)
-        key_pos = torch.cat([cached_pos, position_ids], dim=1)  # [B, K]
-        key_blocks = torch.full_like(key_pos, -1)
-        key_blocks[:, cached + c_new :] = 0
+        bsz, device = position_ids.shape[0], position_ids.device
+        if context_positions is None:
+            context_positions = torch.cat(
+                [torch.arange(cached, device=device).expand(bsz, -1), position_ids[:, :c_new]], dim=1
+            )
+        key_pos = torch.cat([context_positions, position_ids[:, c_new:]], dim=1)  # [B, K]
+        key_blocks = torch.zeros_like(key_pos)
+        key_blocks[:, : cached + c_new] = -1
         query_pos = position_ids[:, -q_len:]
-        sliding = next(layer.self_attn for layer in self.layers if layer.self_attn.layer_type == "sliding_attention")
-        visible = dflash_visibility(
-            query_pos[:, None, :, None],
-            torch.zeros_like(query_pos)[:, None, :, None],
-            torch.full_like(query_pos, torch.iinfo(query_pos.dtype).max)[:, None, :, None],
-            key_pos[:, None, None, :],
-            key_blocks[:, None, None, :],
-            causal=sliding.block_causal,
-            window=sliding.sliding_window,
-        )
-        masks["sliding_attention"] = attention_mask_for_implementation(visible, self.config._attn_implementation, dtype)
+        never = torch.full_like(query_pos, torch.iinfo(query_pos.dtype).max)  # every context entry precedes A
+        key_ok = None
+        if context_mask is not None:
+            key_ok = torch.cat(
+                [context_mask.bool(), torch.ones_like(key_pos[:, cached + c_new :], dtype=torch.bool)], 1
+            )
+        impl = self.config._attn_implementation
+        for layer_type, attn in attentions.items():
+            if not needs_mask[layer_type]:
+                continue
+            visible = dflash_visibility(
+                query_pos[:, None, :, None],
+                torch.zeros_like(query_pos)[:, None, :, None],
+                never[:, None, :, None],
+                key_pos[:, None, None, :],
+                key_blocks[:, None, None, :],
+                causal=attn.block_causal,
+                window=attn.sliding_window,
+            )
+            if key_ok is not None:
+                visible = visible & key_ok[:, None, None, :]
+            masks[layer_type] = attention_mask_for_implementation(visible, impl, dtype)
         return masks
 
     # ------------------------------------------------------------------------------------------------------------

@@ -335,6 +335,8 @@ def make_tiny_target(
     fp8: bool = False,
     with_mtp: bool = True,
     config_overrides: dict[str, Any] | None = None,
+    vocab_size: int | None = None,
+    text_overrides: dict[str, Any] | None = None,
 ) -> Path:
     """Write a tiny random ``family`` target checkpoint, native MTP tensors included, and return its path.
 
@@ -349,10 +351,22 @@ def make_tiny_target(
             FP8 releases do.
         with_mtp: Write the MTP tensors (False: a target checkpoint without an MTP head).
         config_overrides: Extra keys merged into the saved (text) config, e.g. ``{"num_nextn_predict_layers": 0}``.
+        vocab_size: Build the model with this vocabulary instead of 128 (e.g. a tiny vocab for exact-distribution
+            sampling tests).
+        text_overrides: Text-config fields changed *before* the model is built (e.g. a bigger hidden size for
+            benchmarks); unlike ``config_overrides`` they shape the weights.
     """
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     config = tiny_target_config(family)
+    overrides = dict(text_overrides or {})
+    if vocab_size is not None:
+        overrides["vocab_size"] = vocab_size
+    text_config = config.get_text_config(decoder=True)
+    for key, value in overrides.items():
+        setattr(text_config, key, value)
+        if key == "vocab_size" and text_config is not config:
+            config.vocab_size = value
     torch.manual_seed(seed)
     model = _target_class(family)(config).eval()
     model.save_pretrained(path)

@@ -48,7 +48,7 @@ class NoNativeMTPError(ValueError):
     """The target has no native MTP head (its config declares 0 MTP layers, or its checkpoint holds none)."""
 
 
-class MissingMTPTensorsError(RuntimeError):
+class MissingMTPTensorsError(ValueError):
     """The checkpoint holds an MTP head, but some tensors the head needs are absent."""
 
 

@@ -1,0 +1,218 @@
+"""Per-stage cost of one speculative round, and an all-rejected round against one plain decode step.
+
+Runs every drafting strategy on the same target with a drafter forced to be wrong (every round accepts 0
+candidates, so every round does the full work: draft, verify 8 tokens, roll back, advance), and times plain
+one-token decode steps on the same target in the same run. Prints a table and writes JSON.
+
+    python scripts/bench_round_cost.py                                  # random Qwen3.5-architecture target
+    python scripts/bench_round_cost.py --target PATH --draft PATH       # real checkpoints
+    python scripts/bench_round_cost.py --hidden 512 --layers 8 --rounds 64 --output round_cost.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+from transformers.cache_utils import DynamicCache
+
+from dmtp_hf import DMTPConfig, DMTPDraftModel
+from dmtp_hf.assistant import DFlashDrafter, DMTPDrafter, MTPDrafter, Proposal, SpecStats, speculative_decode
+
+STAGE_ROWS = [
+    ("mtp", "MTP advance (+ chained MTP steps)"),
+    ("t1_fusion", "T1 head + selection + embedding + fusion"),
+    ("dflash", "DFlash forward"),
+    ("verify", "target verify (K+1 tokens) + acceptance"),
+    ("rollback", "target rollback (crop / restore + replay)"),
+]
+
+
+class AlwaysRejected:
+    """Wraps a drafter so that its first candidate is never the target's token: every round accepts 0."""
+
+    def __init__(self, inner, reference: torch.Tensor):
+        self.inner, self.reference = inner, reference
+        for name in ("name", "num_candidates", "needs_features", "needs_mtp_hidden"):
+            setattr(self, name, getattr(inner, name))
+        self.hidden_input = getattr(inner, "hidden_input", "post_norm")
+
+    def target_layer_ids(self):
+        """Delegated."""
+        return self.inner.target_layer_ids()
+
+    def start(self, step):
+        """Delegated."""
+        self.inner.start(step)
+
+    def advance(self, step, stats=None):
+        """Delegated."""
+        self.inner.advance(step, stats)
+
+    def propose(self, prefix, anchor_positions, select, stats):
+        """The inner proposal with its first candidate made wrong."""
+        proposal = self.inner.propose(prefix, anchor_positions, select, stats)
+        truth = self.reference[:, prefix.shape[1]]
+        tokens = proposal.tokens.clone()
+        tokens[:, 0] = torch.where(tokens[:, 0] == truth, (truth + 1) % 16, tokens[:, 0])
+        return Proposal(tokens, proposal.scores)
+
+
+def build_random_target(hidden: int, layers: int, vocab: int, directory: Path):
+    """A random Qwen3.5-architecture target (GDN + gated attention, MTP head) saved in the real layout."""
+    from dmtp_hf.testing.tiny_targets import load_tiny_target, make_tiny_target
+
+    overrides = {
+        "hidden_size": hidden,
+        "intermediate_size": 3 * hidden,
+        "num_hidden_layers": layers,
+        "layer_types": ["linear_attention", "linear_attention", "full_attention"] * (layers // 3)
+        + ["full_attention"] * (layers % 3),
+        "head_dim": hidden // 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "linear_key_head_dim": hidden // 8,
+        "linear_value_head_dim": hidden // 8,
+        "linear_num_key_heads": 4,
+        "linear_num_value_heads": 8,
+    }
+    path = make_tiny_target("qwen3_5", directory, vocab_size=vocab, text_overrides=overrides)
+    return load_tiny_target(path)
+
+
+def plain_step_seconds(target, prompt: torch.Tensor, steps: int) -> float:
+    """Mean wall time of one cached single-token target forward (the plain decoding step)."""
+    cache = DynamicCache(config=target.config)
+    with torch.no_grad():
+        out = target(prompt, cache=cache, use_cache=True, logits_to_keep=1)
+        token = out.logits[:, -1:].argmax(-1)
+        for _ in range(3):  # warm-up
+            out = target(token, cache=cache, use_cache=True)
+            token = out.logits[:, -1:].argmax(-1)
+        start = time.perf_counter()
+        for _ in range(steps):
+            out = target(token, cache=cache, use_cache=True)
+            token = out.logits[:, -1:].argmax(-1)
+        return (time.perf_counter() - start) / steps
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", type=Path, help="target checkpoint with a native MTP head")
+    parser.add_argument("--draft", type=Path, help="DMTP draft checkpoint (random if omitted)")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--draft-layers", type=int, default=2)
+    parser.add_argument("--prompt-length", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved repetitions (medians are reported)")
+    parser.add_argument("--output", type=Path, default=None, help="JSON output path")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.target is None:
+            target = build_random_target(args.hidden, args.layers, args.vocab, Path(tmp) / "target")
+            source = f"random Qwen3.5-architecture target (hidden {args.hidden}, {args.layers} layers)"
+        else:
+            target = AutoModelForCausalLM.from_pretrained(args.target).eval()
+            source = str(args.target)
+        text = target.config.get_text_config(decoder=True)
+        if args.draft is not None:
+            draft = DMTPDraftModel.from_pretrained(args.draft, target=target)
+        else:
+            hidden = text.hidden_size
+            draft = DMTPDraftModel(
+                DMTPConfig(
+                    vocab_size=text.vocab_size,
+                    hidden_size=hidden,
+                    intermediate_size=3 * hidden,
+                    num_hidden_layers=args.draft_layers,
+                    num_attention_heads=8,
+                    num_key_value_heads=2,
+                    head_dim=hidden // 8,
+                    num_target_layers=text.num_hidden_layers,
+                    mask_token_id=text.vocab_size - 1,
+                )
+            ).eval()
+            draft.bind(target)
+        # The same backbone run as plain DFlash ([A, MASK x 7]), so the comparison isolates the drafting strategy.
+        dflash_config = DMTPConfig.from_dict(draft.config.to_dict())
+        dflash_config.anchor_layout = "dflash"
+        dflash = DMTPDraftModel(dflash_config).eval()
+        dflash.load_state_dict({k: v for k, v in draft.state_dict().items() if not k.startswith("fusion.")})
+        dflash.bind(target, native_mtp=draft.native_mtp)
+
+        prompt = torch.randint(0, text.vocab_size - 1, (1, args.prompt_length))
+        max_length = args.prompt_length + args.rounds + 1
+        reference = target.generate(prompt, do_sample=False, max_length=max_length + 8)
+        # name -> (drafter, linear-attention rollback); "dmtp-replay" measures snapshot + replay against per-step.
+        strategies = {
+            "dmtp": (DMTPDrafter(draft, draft.native_mtp), "per_step"),
+            "dmtp-replay": (DMTPDrafter(draft, draft.native_mtp), "replay"),
+            "dflash": (DFlashDrafter(dflash), "per_step"),
+            "mtp1": (MTPDrafter(draft.native_mtp, 1), "per_step"),
+            "mtp4": (MTPDrafter(draft.native_mtp, 4), "per_step"),
+        }
+        # Interleave strategies and plain steps over repetitions and keep medians: machine noise hits all alike.
+        samples: dict[str, list[dict]] = {name: [] for name in strategies}
+        plain_samples = []
+        for drafter, rollback in strategies.values():  # warm-up
+            wrapped = AlwaysRejected(drafter, reference)
+            speculative_decode(target, prompt, wrapped, max_length=args.prompt_length + 4, rollback=rollback)
+        for _ in range(args.repeats):
+            plain_samples.append(plain_step_seconds(target, prompt, args.rounds))
+            for name, (drafter, rollback) in strategies.items():
+                stats = SpecStats(drafter.num_candidates, name)
+                wrapped = AlwaysRejected(drafter, reference)
+                start = time.perf_counter()
+                speculative_decode(target, prompt, wrapped, max_length=max_length, stats=stats, rollback=rollback)
+                total = time.perf_counter() - start
+                rounds = stats.num_rounds
+                setup = stats.stage_seconds["prefill"] + stats.stage_seconds["draft_prefill"]
+                sample = {key: stats.stage_seconds.get(key, 0.0) / rounds for key, _ in STAGE_ROWS}
+                sample["round"] = (total - setup) / rounds
+                sample["hist"] = stats.hist
+                samples[name].append(sample)
+        plain = statistics.median(plain_samples)
+        results = {}
+        for name, runs in samples.items():
+            median = {key: statistics.median(run[key] for run in runs) for key in [*dict(STAGE_ROWS), "round"]}
+            results[name] = {
+                "rounds": sum(runs[0]["hist"]),
+                "stage_ms": {key: 1e3 * median[key] for key, _ in STAGE_ROWS},
+                "round_ms": 1e3 * median["round"],
+                "round_over_plain_step": median["round"] / plain,
+                "hist": runs[0]["hist"],
+            }
+
+    names = list(results)
+    header = f"{'stage (ms/round)':46s}" + "".join(f"{n:>12s}" for n in names)
+    lines = [
+        f"Target: {source}; prompt {args.prompt_length} tokens; {args.rounds} all-rejected rounds per run; "
+        f"median of {args.repeats} interleaved runs",
+        header,
+    ]
+    for key, label in STAGE_ROWS:
+        lines.append(f"{label:46s}" + "".join(f"{results[n]['stage_ms'][key]:12.3f}" for n in names))
+    lines.append(f"{'whole round':46s}" + "".join(f"{results[n]['round_ms']:12.3f}" for n in names))
+    lines.append(f"{'plain decode step':46s}" + "".join(f"{1e3 * plain:12.3f}" for _ in names))
+    ratio_row = "".join(f"{results[n]['round_over_plain_step']:12.2f}" for n in names)
+    lines.append(f"{'all-rejected round / plain step':46s}" + ratio_row)
+    print("\n".join(lines))
+    if args.output is not None:
+        payload = {"target": source, "plain_step_ms": 1e3 * plain, "strategies": results, "table": lines}
+        args.output.write_text(json.dumps(payload, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,42 @@
+"""The project's own small models: a Qwen3.5-architecture target with a native MTP head, and drafts trained on it.
+
+The checkpoints live in ``src/dmtp_hf/bundled/models/<name>`` once built and committed (they are reproduced by
+``scripts/reproduce/``, see its README). `default_paths` returns where each one is and raises a clear error while
+they are not there yet. `target_pretraining` and `tokenizer` hold the code that builds the target.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = ["BUNDLED_MODELS", "MODELS_DIR", "NotBuiltError", "default_paths"]
+
+MODELS_DIR = Path(__file__).resolve().parent / "models"
+# Name -> folder under MODELS_DIR: the target (with its `mtp.*` tensors and tokenizer), a DMTP draft and the DFlash
+# baseline draft trained on that target.
+BUNDLED_MODELS = {"target": "target", "dmtp": "dmtp", "dflash": "dflash"}
+
+
+class NotBuiltError(FileNotFoundError):
+    """A bundled checkpoint is not in the package (not built or not committed yet)."""
+
+
+def default_paths(names: tuple[str, ...] | None = None) -> dict[str, Path]:
+    """Paths of the bundled checkpoints, keyed ``target``, ``dmtp``, ``dflash`` (or only ``names``).
+
+    Raises:
+        NotBuiltError: (a `FileNotFoundError`) when one of them has no ``config.json`` yet.
+        KeyError: an unknown name.
+    """
+    names = tuple(BUNDLED_MODELS) if names is None else names
+    unknown = sorted(set(names) - set(BUNDLED_MODELS))
+    if unknown:
+        raise KeyError(f"Unknown bundled model(s) {unknown}; available: {sorted(BUNDLED_MODELS)}")
+    paths = {name: MODELS_DIR / BUNDLED_MODELS[name] for name in names}
+    missing = [name for name, path in paths.items() if not (path / "config.json").is_file()]
+    if missing:
+        raise NotBuiltError(
+            f"bundled models are not built yet ({', '.join(missing)} missing under {MODELS_DIR}); "
+            "see scripts/reproduce/README.md"
+        )
+    return paths

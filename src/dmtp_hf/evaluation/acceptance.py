@@ -1,0 +1,250 @@
+"""``dmtp eval``: acceptance statistics of several drafting strategies over prompt sets (DMTP blog §8 protocol).
+
+Protocol by default: first 80 prompts of each set, the target's chat template with ``add_generation_prompt=True``
+and ``enable_thinking=False``, T=0, up to 1,024 new tokens per turn, stop at EOS. Multi-turn prompts (MT-Bench)
+are answered turn by turn, each strategy carrying *its own* previous answers into the next turn; every turn is
+one request of the statistics. Every metric is DESIGN.md §6's, computed by :class:`~dmtp_hf.SpecStats`.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import math
+import platform
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from ..assistant.generate import generate as dmtp_generate
+from ..assistant.stats import SpecStats
+from .models import ModelPaths, Strategy, eos_token_ids
+from .prompts import DEFAULT_LIMIT, PromptSet
+
+SCHEMA = "dmtp-eval/1"
+
+
+@dataclass
+class EvalSettings:
+    """Generation settings shared by every strategy of one evaluation."""
+
+    limit: int | None = DEFAULT_LIMIT
+    max_new_tokens: int = 1024
+    temperature: float = 0.0
+    verify_mode: str | None = None  # None: greedy at T=0, "match" (the blog's target-only verification) otherwise
+    chat_template: bool = True
+    enable_thinking: bool = False
+    seed: int = 0
+    batch_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be >= 1 (got {self.max_new_tokens})")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"--limit must be >= 1 (got {self.limit})")
+        if self.temperature < 0:
+            raise ValueError(f"--temperature must be >= 0 (got {self.temperature})")
+        if self.batch_size != 1:
+            # Batched speculative decoding comes later; acceptance statistics do not depend on the batch.
+            raise ValueError("speculative strategies currently run at batch size 1 only (--batch-size 1)")
+
+    @property
+    def do_sample(self) -> bool:
+        """Whether the target is sampled."""
+        return self.temperature > 0
+
+    @property
+    def resolved_verify_mode(self) -> str:
+        """The verification mode actually used."""
+        return self.verify_mode or ("match" if self.do_sample else "greedy")
+
+
+def encode_conversation(tokenizer, messages: list[dict[str, str]], settings: EvalSettings) -> torch.Tensor:
+    """Token ids ``[1, P]`` of a conversation ending with a user turn, ready for the assistant's reply."""
+    if settings.chat_template:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the target tokenizer has no chat template; pass --no-chat-template to use raw prompts")
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, enable_thinking=settings.enable_thinking
+        )
+        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+    else:
+        text = "\n\n".join(message["content"] for message in messages)
+        ids = tokenizer(text, return_tensors="pt").input_ids
+    if ids.shape[1] == 0:
+        raise ValueError("a prompt encoded to zero tokens")
+    return ids
+
+
+def generation_kwargs(settings: EvalSettings, eos: list[int], pad: int | None) -> dict[str, Any]:
+    """Keyword arguments of every ``generate`` call of a run (identical for all strategies and baselines)."""
+    kwargs: dict[str, Any] = {
+        "max_new_tokens": settings.max_new_tokens,
+        "do_sample": settings.do_sample,
+        "eos_token_id": eos,
+        "pad_token_id": pad if pad is not None else (eos[0] if eos else None),
+    }
+    if settings.do_sample:
+        # Pure temperature sampling: the checkpoint's default top-k/top-p would change what is measured.
+        kwargs.update(temperature=settings.temperature, top_k=0, top_p=1.0)
+    else:
+        kwargs.update(temperature=None, top_k=None, top_p=None)
+    return kwargs
+
+
+def _finite(value: Any) -> Any:
+    """NaN/inf -> None recursively, so the JSON is strict."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def stats_entry(stats: SpecStats, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``SpecStats.to_dict()`` (every metric, raw histogram, per-request counts) plus run-level extras."""
+    return _finite({**stats.to_dict(), **(extra or {})})
+
+
+def run_acceptance_eval(
+    target,
+    tokenizer,
+    prompt_sets: list[PromptSet],
+    strategies: list[Strategy],
+    settings: EvalSettings,
+    *,
+    paths: ModelPaths | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run every strategy over every prompt set; returns the JSON-serialisable results (schema ``dmtp-eval/1``).
+
+    ``results[dataset][strategy]`` holds ``SpecStats.to_dict()`` (``hist``, ``requests`` with per-request
+    ``rounds``/``round_tokens``/``hist``, and all derived metrics) plus ``request_meta`` (question id, turn, prompt
+    and output lengths per request, aligned with ``requests``), output tokens and wall seconds. ``overall`` merges
+    all datasets. ``outputs_identical[dataset]`` says whether every strategy produced the same tokens (expected at
+    T=0: all strategies are lossless).
+    """
+    eos = eos_token_ids(target, tokenizer)
+    gen_kwargs = generation_kwargs(settings, eos, tokenizer.pad_token_id)
+    device = next(target.parameters()).device
+    total = sum(s.num_turns for s in prompt_sets) * len(strategies)
+    results: dict[str, dict[str, Any]] = {}
+    identical: dict[str, bool] = {}
+    overall = {s.label: SpecStats(s.num_candidates, s.label) for s in strategies}
+    bar = tqdm(total=total, desc="dmtp eval", unit="turn", disable=not progress, dynamic_ncols=True)
+    try:
+        for pset in prompt_sets:
+            stats = {s.label: SpecStats(s.num_candidates, s.label) for s in strategies}
+            meta: dict[str, list[dict[str, Any]]] = {s.label: [] for s in strategies}
+            seconds = dict.fromkeys(stats, 0.0)
+            digests: dict[str, Any] = {s.label: hashlib.sha256() for s in strategies}
+            for prompt_index, prompt in enumerate(pset.prompts):
+                for strategy in strategies:
+                    bar.set_postfix_str(f"{pset.name}/{strategy.label}", refresh=False)
+                    messages: list[dict[str, str]] = []
+                    for turn_index, turn in enumerate(prompt.turns):
+                        messages.append({"role": "user", "content": turn})
+                        input_ids = encode_conversation(tokenizer, messages, settings).to(device)
+                        if settings.do_sample:  # same seed per (prompt, turn) for every strategy
+                            torch.manual_seed(settings.seed + 1000 * prompt_index + turn_index)
+                        start = time.perf_counter()
+                        out = dmtp_generate(
+                            target,
+                            input_ids,
+                            strategy.drafter,
+                            verify_mode=settings.resolved_verify_mode,
+                            attention_mask=torch.ones_like(input_ids),
+                            return_dict_in_generate=True,
+                            **gen_kwargs,
+                        )
+                        seconds[strategy.label] += time.perf_counter() - start
+                        stats[strategy.label].merge(out.spec_stats)
+                        new_tokens = out.sequences[0, input_ids.shape[1] :].tolist()
+                        digests[strategy.label].update(repr(new_tokens).encode())
+                        meta[strategy.label].append(
+                            {
+                                "question_id": prompt.question_id,
+                                "turn": turn_index,
+                                "prompt_tokens": int(input_ids.shape[1]),
+                                "output_tokens": len(new_tokens),
+                            }
+                        )
+                        reply = tokenizer.decode(new_tokens, skip_special_tokens=True)
+                        messages.append({"role": "assistant", "content": reply})
+                        bar.update()
+            results[pset.name] = {}
+            for strategy in strategies:
+                label = strategy.label
+                output_tokens = sum(m["output_tokens"] for m in meta[label])
+                results[pset.name][label] = stats_entry(
+                    stats[label],
+                    {
+                        "request_meta": meta[label],
+                        "output_tokens": output_tokens,
+                        "wall_seconds": seconds[label],
+                        "output_digest": digests[label].hexdigest(),
+                    },
+                )
+                overall[label].merge(stats[label])
+            identical[pset.name] = len({d.hexdigest() for d in digests.values()}) <= 1
+    finally:
+        bar.close()
+
+    return _finite(
+        {
+            "schema": SCHEMA,
+            "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+            "environment": _environment(device),
+            "settings": {**asdict(settings), "verify_mode": settings.resolved_verify_mode},
+            "models": _model_info(target, paths),
+            "strategies": [s.describe() for s in strategies],
+            "datasets": [
+                {
+                    "name": s.name,
+                    "display_name": s.display_name,
+                    "source": s.source,
+                    "num_prompts": len(s.prompts),
+                    "num_turns": s.num_turns,
+                }
+                for s in prompt_sets
+            ],
+            "results": results,
+            "overall": {label: stats_entry(s) for label, s in overall.items()},
+            "outputs_identical": identical,
+        }
+    )
+
+
+def _environment(device: torch.device) -> dict[str, Any]:
+    import transformers
+
+    from .. import __version__
+
+    env = {
+        "dmtp_hf": __version__,
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": str(device),
+    }
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+    return env
+
+
+def _model_info(target, paths: ModelPaths | None) -> dict[str, Any]:
+    text_config = target.config.get_text_config(decoder=True)
+    info: dict[str, Any] = {
+        "target": paths.target if paths else getattr(target.config, "_name_or_path", None),
+        "target_model_type": text_config.model_type,
+        "target_architecture": type(target).__name__,
+        "dtype": str(target.get_input_embeddings().weight.dtype).removeprefix("torch."),
+    }
+    if paths is not None:
+        info.update(draft=paths.draft, dflash_draft=paths.dflash_draft, extra_drafts=paths.extra_drafts)
+    return info

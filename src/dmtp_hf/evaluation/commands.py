@@ -1,0 +1,304 @@
+"""The ``dmtp eval``, ``dmtp bench`` and ``dmtp push`` subcommands (registered by :mod:`dmtp_hf.cli`).
+
+Expected failures (bad paths, malformed prompt files, missing models) raise ``ValueError``/``OSError``; the
+``dmtp`` entry point prints them as one line and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from .prompts import BUNDLED_SETS, DEFAULT_LIMIT
+
+
+def _label_path(value: str) -> tuple[str, str]:
+    label, sep, path = value.partition("=")
+    if not sep or not label or not path:
+        raise argparse.ArgumentTypeError(f"expected LABEL=PATH, got {value!r}")
+    return label, path
+
+
+def _datasets(value: str) -> list[str]:
+    if value == "all":
+        return list(BUNDLED_SETS)
+    if value == "none":
+        return []
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    unknown = [n for n in names if n not in BUNDLED_SETS]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown bundled set(s) {unknown}; choose from all, none, {list(BUNDLED_SETS)}"
+        )
+    return names
+
+
+def _int_list(value: str) -> list[int]:
+    try:
+        return [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {value!r}") from None
+
+
+def _add_common(parser: argparse.ArgumentParser, default_output: str) -> None:
+    models = parser.add_argument_group("models (omitted paths: the bundled trained models, when installed)")
+    models.add_argument("--target", help="target checkpoint (with its native MTP head)")
+    models.add_argument("--draft", help="DMTP draft checkpoint (strategy 'dmtp')")
+    models.add_argument("--dflash-draft", help="DFlash draft checkpoint (strategy 'dflash')")
+    models.add_argument(
+        "--extra-draft",
+        action="append",
+        type=_label_path,
+        default=[],
+        metavar="LABEL=PATH",
+        help="another DMTP/DFlash checkpoint compared under LABEL (repeatable)",
+    )
+    models.add_argument("--tokenizer", help="tokenizer path (default: the target's)")
+    models.add_argument("--device", help="cuda, cuda:1, cpu (default: cuda when available)")
+    models.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float16, float32")
+    work = parser.add_argument_group("workload")
+    work.add_argument(
+        "--strategies",
+        help="comma-separated: dmtp, dflash, mtp1..mtpK and --extra-draft labels (default: dmtp[,dflash],mtp4)",
+    )
+    work.add_argument(
+        "--datasets",
+        type=_datasets,
+        default=list(BUNDLED_SETS),
+        help=f"bundled prompt sets: all (default), none, or a comma list of {', '.join(BUNDLED_SETS)}",
+    )
+    work.add_argument(
+        "--prompts", action="append", type=Path, default=[], metavar="PATH", help="extra prompt file (repeatable)"
+    )
+    work.add_argument("--limit", type=int, default=DEFAULT_LIMIT, help="first N prompts of each set (default 80)")
+    work.add_argument("--max-new-tokens", type=int, default=1024, help="per turn (default 1024)")
+    work.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    work.add_argument(
+        "--verify-mode", choices=["greedy", "match", "rejection"], help="default: greedy at T=0, match otherwise"
+    )
+    work.add_argument("--no-chat-template", action="store_true", help="feed raw prompts (no chat template)")
+    work.add_argument("--enable-thinking", action="store_true", help="render the chat template with thinking on")
+    work.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output-dir", type=Path, default=Path(default_output))
+    parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+
+def add_subcommands(sub) -> None:
+    """Register ``eval``, ``bench`` and ``push`` on the ``dmtp`` subparsers."""
+    evaluate = sub.add_parser(
+        "eval", help="acceptance statistics of dmtp/dflash/mtp-k over prompt sets (the DMTP blog's protocol)"
+    )
+    _add_common(evaluate, "outputs/eval")
+    evaluate.add_argument("--batch-size", type=int, default=1, help="speculative strategies support 1 for now")
+    evaluate.set_defaults(func=cmd_eval)
+
+    bench = sub.add_parser(
+        "bench", help="end-to-end throughput vs plain generate, prompt lookup, use_mtp and assisted decoding"
+    )
+    _add_common(bench, "outputs/bench")
+    bench.add_argument("--batch-sizes", type=_int_list, default=[1], help="e.g. 1,2,4 (speculative methods: 1 only)")
+    bench.add_argument("--assistant", help="small assistant model for Transformers' assisted decoding")
+    bench.add_argument("--prompt-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens (default 10)")
+    bench.add_argument("--repeats", type=int, default=1, help="repeat the workload (interleaved) N times")
+    bench.set_defaults(func=cmd_bench)
+
+    push = sub.add_parser("push", help="upload a DMTP checkpoint with a generated model card to the Hugging Face Hub")
+    push.add_argument("checkpoint", type=Path)
+    push.add_argument("repo_id", help="ORG/NAME")
+    push.add_argument("--eval-json", type=Path, help="a `dmtp eval` eval.json whose tables go into the card")
+    push.add_argument("--training-data", help="training data description for the card")
+    push.add_argument("--target", help="target model id for the card (default: the eval's target)")
+    push.add_argument("--private", action="store_true")
+    push.add_argument("--revision", help="branch to push to")
+    push.add_argument("--local-dir", type=Path, help="write the repo folder here (kept)")
+    push.add_argument("--no-upload", action="store_true", help="only write the folder (needs --local-dir)")
+    push.set_defaults(func=cmd_push)
+
+
+def _settings(args: argparse.Namespace):
+    from .acceptance import EvalSettings
+
+    return EvalSettings(
+        limit=args.limit,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        verify_mode=args.verify_mode,
+        chat_template=not args.no_chat_template,
+        enable_thinking=args.enable_thinking,
+        seed=args.seed,
+        batch_size=getattr(args, "batch_size", 1),
+    )
+
+
+def _load(args: argparse.Namespace) -> dict[str, Any]:
+    """Validate prompts and settings first (cheap, fails fast), then load target, tokenizer and strategies."""
+    from .models import (
+        build_strategies,
+        load_target,
+        load_tokenizer,
+        parse_strategies,
+        resolve_device_dtype,
+        resolve_model_paths,
+    )
+    from .prompts import resolve_prompt_sets
+
+    settings = _settings(args)
+    prompt_sets = resolve_prompt_sets(args.datasets, args.prompts, settings.limit)
+    paths = resolve_model_paths(
+        args.target, args.draft, args.dflash_draft, tokenizer=args.tokenizer, extra_drafts=dict(args.extra_draft)
+    )
+    labels = parse_strategies(args.strategies, paths)
+    device, dtype = resolve_device_dtype(args.device, args.dtype)
+    target = load_target(paths.target, device, dtype)
+    tokenizer = load_tokenizer(paths.tokenizer or paths.target)
+    strategies = build_strategies(labels, target, paths)
+    return {
+        "settings": settings,
+        "prompt_sets": prompt_sets,
+        "paths": paths,
+        "target": target,
+        "tokenizer": tokenizer,
+        "strategies": strategies,
+    }
+
+
+def _console():
+    from rich.console import Console
+
+    # Wide enough that method names and numbers are never elided when stdout is not a terminal.
+    width = max(140, shutil.get_terminal_size((140, 24)).columns)
+    return Console(width=width)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """``dmtp eval``: run the acceptance evaluation and write JSON, markdown and plots."""
+    from rich.table import Table
+
+    from .acceptance import run_acceptance_eval
+    from .report import dataset_rows, write_eval_outputs
+
+    loaded = _load(args)
+    results = run_acceptance_eval(
+        loaded["target"],
+        loaded["tokenizer"],
+        loaded["prompt_sets"],
+        loaded["strategies"],
+        loaded["settings"],
+        paths=loaded["paths"],
+        progress=not args.no_progress,
+    )
+    files = write_eval_outputs(results, args.output_dir)
+    labels = [s["label"] for s in results["strategies"]]
+    table = Table(title="acceptance length per request (per verify) · first-candidate acceptance")
+    table.add_column("dataset", no_wrap=True)
+    for label in labels:
+        table.add_column(label, justify="right")
+    for _, display, entries in dataset_rows(results):
+        cells = []
+        for label in labels:
+            e = entries[label]
+            if e["num_rounds"]:
+                cells.append(
+                    f"{e['acceptance_length_per_request']:.3f} ({e['acceptance_length_per_verify']:.3f}) · "
+                    f"{100 * e['first_candidate_acceptance']:.1f}%"
+                )
+            else:
+                cells.append("no rounds")
+        table.add_row(display, *cells)
+    console = _console()
+    console.print(table)
+    for kind, path in files.items():
+        console.print(f"wrote {kind}: {path}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """``dmtp bench``: time every baseline side by side; print one table, write JSON and a plot."""
+    import torch
+
+    from .acceptance import encode_conversation, generation_kwargs
+    from .models import eos_token_ids, load_target
+    from .throughput import bench_table, build_baselines, plot_throughput, run_benchmark
+
+    if args.prompt_lookup_tokens < 1:
+        raise ValueError("--prompt-lookup-tokens must be >= 1")
+    loaded = _load(args)
+    target, tokenizer, settings = loaded["target"], loaded["tokenizer"], loaded["settings"]
+    assistant = None
+    if args.assistant:
+        device = next(target.parameters()).device
+        assistant = load_target(args.assistant, device, target.get_input_embeddings().weight.dtype)
+    # First turns only: later turns depend on each method's own answers (identical at T=0, but not in general).
+    prompts = [
+        encode_conversation(tokenizer, [{"role": "user", "content": p.turns[0]}], settings)[0]
+        for pset in loaded["prompt_sets"]
+        for p in pset.prompts
+    ]
+    eos = eos_token_ids(target, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    gen_kwargs = generation_kwargs(settings, eos, pad)
+    baselines = build_baselines(
+        target,
+        loaded["strategies"],
+        gen_kwargs,
+        prompt_lookup_tokens=args.prompt_lookup_tokens,
+        assistant=assistant,
+        assistant_path=args.assistant,
+        verify_mode=settings.resolved_verify_mode,
+    )
+    with torch.no_grad():
+        results = run_benchmark(
+            target,
+            prompts,
+            baselines,
+            settings,
+            batch_sizes=args.batch_sizes,
+            eos=eos,
+            pad_id=pad,
+            repeats=args.repeats,
+            progress=not args.no_progress,
+        )
+    results["models"] = {
+        "target": loaded["paths"].target,
+        "assistant": args.assistant,
+        "strategies": [s.describe() for s in loaded["strategies"]],
+        "datasets": [
+            {"name": s.name, "source": s.source, "num_prompts": len(s.prompts)} for s in loaded["prompt_sets"]
+        ],
+    }
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(results, indent=1, allow_nan=False) + "\n")
+    plot = plot_throughput(results, out / "throughput.png")
+    console = _console()
+    console.print(bench_table(results))
+    console.print(f"wrote json: {out / 'bench.json'}")
+    console.print(f"wrote plot: {plot}")
+    return 0
+
+
+def cmd_push(args: argparse.Namespace) -> int:
+    """``dmtp push``: write config, safetensors, card (and eval JSON) into a folder and upload it."""
+    from .hub import push_checkpoint
+
+    if args.no_upload and args.local_dir is None:
+        raise ValueError("--no-upload needs --local-dir (where to write the repo folder)")
+    folder, info = push_checkpoint(
+        args.checkpoint,
+        args.repo_id,
+        eval_json=args.eval_json,
+        training_data=args.training_data,
+        target=args.target,
+        folder=args.local_dir,
+        private=args.private,
+        revision=args.revision,
+        upload=not args.no_upload,
+    )
+    if info is None:
+        print(f"wrote {folder} (not uploaded)")
+    else:
+        print(f"pushed {args.checkpoint} to {args.repo_id}: {getattr(info, 'commit_url', info)}")
+    return 0

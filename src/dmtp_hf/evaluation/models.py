@@ -1,0 +1,241 @@
+"""Loading what an evaluation compares: the target, its tokenizer, drafts, and the drafting strategies.
+
+Every command takes ``--target PATH --draft PATH [--dflash-draft PATH]``; omitted paths come from the bundled
+trained models (``dmtp_hf.bundled.default_paths()``) when that module exists, otherwise the command stops with an
+error asking for the paths.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..assistant.drafters import DFlashDrafter, DMTPDrafter, Drafter, MTPDrafter
+
+MTP_STRATEGY = re.compile(r"^mtp(\d+)$")
+DMTP_KINDS = ("dmtp", "dflash")
+
+
+@dataclass
+class ModelPaths:
+    """Checkpoint locations of one evaluation (``None`` where neither given nor bundled)."""
+
+    target: str | None = None
+    draft: str | None = None
+    dflash_draft: str | None = None
+    tokenizer: str | None = None
+    extra_drafts: dict[str, str] = field(default_factory=dict)  # label -> DMTP/DFlash checkpoint
+
+
+def _bundled_defaults() -> tuple[Mapping[str, Any] | None, str]:
+    """``(paths, why)``: ``dmtp_hf.bundled.default_paths()`` normalised to keys ``target``/``draft``/``dflash_draft``,
+    or ``(None, reason)`` while no bundled models exist (module absent or checkpoints not built)."""
+    try:
+        from ..bundled import default_paths
+    except ImportError:
+        return None, "dmtp_hf.bundled.default_paths() is unavailable"
+    try:
+        paths = default_paths()
+    except (OSError, KeyError) as err:  # NotBuiltError is a FileNotFoundError
+        return None, str(err).splitlines()[0] if str(err) else type(err).__name__
+    if not isinstance(paths, Mapping):  # a dataclass / namespace with attributes works too
+        paths = {
+            key: getattr(paths, key)
+            for key in ("target", "dmtp", "draft", "dflash", "dflash_draft")
+            if hasattr(paths, key)
+        }
+    return {
+        "target": paths.get("target"),
+        "draft": paths.get("dmtp", paths.get("draft")),
+        "dflash_draft": paths.get("dflash", paths.get("dflash_draft")),
+    }, ""
+
+
+def resolve_model_paths(
+    target: str | Path | None,
+    draft: str | Path | None,
+    dflash_draft: str | Path | None = None,
+    *,
+    tokenizer: str | Path | None = None,
+    extra_drafts: Mapping[str, str] | None = None,
+) -> ModelPaths:
+    """Fill omitted paths from the bundled defaults; raise ``ValueError`` asking for ``--target`` if none."""
+    paths = ModelPaths(
+        target=str(target) if target else None,
+        draft=str(draft) if draft else None,
+        dflash_draft=str(dflash_draft) if dflash_draft else None,
+        tokenizer=str(tokenizer) if tokenizer else None,
+        extra_drafts=dict(extra_drafts or {}),
+    )
+    if paths.target is None or paths.draft is None:
+        defaults, why = _bundled_defaults()
+        if defaults is None and paths.target is None:
+            raise ValueError(f"no bundled models ({why}); pass --target PATH --draft PATH [--dflash-draft PATH]")
+        if defaults is not None and paths.target is None:
+            # The bundled drafts were trained against the bundled target: take them together.
+            paths.target = str(defaults["target"])
+            paths.draft = paths.draft or _optional(defaults.get("draft"))
+            paths.dflash_draft = paths.dflash_draft or _optional(defaults.get("dflash_draft"))
+    return paths
+
+
+def _optional(value: Any) -> str | None:
+    return str(value) if value else None
+
+
+def resolve_device_dtype(device: str | None, dtype: str | None) -> tuple[torch.device, torch.dtype]:
+    """``device`` default: CUDA when available; ``dtype`` default: bfloat16 on CUDA, float32 on CPU."""
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dtype in (None, "auto"):
+        return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
+    dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+    if dtype not in dtypes:
+        raise ValueError(f"unknown dtype {dtype!r}; choose auto, {', '.join(dtypes)}")
+    return dev, dtypes[dtype]
+
+
+def load_target(path: str, device: torch.device, dtype: torch.dtype):
+    """The target as ``AutoModelForCausalLM.from_pretrained`` loads it, in eval mode.
+
+    The MTP ignore regex is fitted to the checkpoint's depth (Transformers hard-codes the release depth for
+    DeepSeek-V3/GLM); that is also where Transformers' ``MtpModel`` (``use_mtp=True``) finds the MTP tensors.
+    """
+    from ..testing.tiny_targets import load_tiny_target  # generic despite the name: fits the regex to any depth
+
+    target = load_tiny_target(path, dtype=dtype)
+    return target.to(device).eval()
+
+
+def load_tokenizer(path: str):
+    """The target tokenizer (``AutoTokenizer``), with a pad token (EOS) if it has none."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def eos_token_ids(target, tokenizer) -> list[int]:
+    """Every token that ends a turn: the target's generation-config EOS ids plus the tokenizer's."""
+    ids: list[int] = []
+    configured = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
+    for value in (configured, getattr(tokenizer, "eos_token_id", None)):
+        for token in value if isinstance(value, list | tuple) else [value]:
+            if token is not None and int(token) not in ids:
+                ids.append(int(token))
+    return ids
+
+
+@dataclass
+class Strategy:
+    """One drafting strategy of a comparison: a label, its kind and the drafter that implements it."""
+
+    label: str
+    kind: str  # "dmtp", "dflash" or "mtp"
+    drafter: Drafter
+    checkpoint: str | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_candidates(self) -> int:
+        """Candidates proposed per round."""
+        return self.drafter.num_candidates
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-friendly description."""
+        return {
+            "label": self.label,
+            "kind": self.kind,
+            "num_candidates": self.num_candidates,
+            "checkpoint": self.checkpoint,
+            **self.details,
+        }
+
+
+def parse_strategies(spec: str | None, paths: ModelPaths) -> list[str]:
+    """Strategy labels from ``--strategies`` (``None``: dmtp, dflash when a DFlash draft is known, mtp4).
+
+    Valid labels: ``dmtp``, ``dflash``, ``mtpK`` (K >= 1) and the labels of ``--extra-draft LABEL=PATH``.
+    """
+    if spec is None:
+        labels = ["dmtp"] + (["dflash"] if paths.dflash_draft else []) + ["mtp4"]
+        labels += [label for label in paths.extra_drafts if label not in labels]
+        return labels
+    labels = [part.strip() for part in spec.split(",") if part.strip()]
+    if not labels:
+        raise ValueError("--strategies is empty")
+    for label in labels:
+        if label not in DMTP_KINDS and not MTP_STRATEGY.match(label) and label not in paths.extra_drafts:
+            raise ValueError(
+                f"unknown strategy {label!r}: use dmtp, dflash, mtp1..mtpK or a label given with --extra-draft"
+            )
+        match = MTP_STRATEGY.match(label)
+        if match and int(match.group(1)) < 1:
+            raise ValueError(f"strategy {label!r}: MTP needs at least one step")
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"--strategies repeats a label: {spec}")
+    return labels
+
+
+def build_strategies(labels: list[str], target, paths: ModelPaths) -> list[Strategy]:
+    """Load the drafts the labels need (bound to ``target``) and build one :class:`Strategy` per label.
+
+    All strategies share the target's native MTP head (loaded once from the target checkpoint); runs are
+    sequential and every request re-initialises the drafter state, so sharing is safe.
+    """
+    from ..modeling import DMTPDraftModel, load_native_mtp
+    from ..modeling.native_mtp.loading import MissingMTPTensorsError
+
+    device = next(target.parameters()).device
+    dtype = target.get_input_embeddings().weight.dtype
+    mtp_head = None
+
+    def native_mtp():
+        nonlocal mtp_head
+        if mtp_head is None:
+            try:
+                mtp_head = load_native_mtp(target)
+            except MissingMTPTensorsError as err:  # a RuntimeError upstream; an expected user-facing failure here
+                raise ValueError(str(err)) from None
+        return mtp_head
+
+    def load_draft(path: str, **overrides: Any) -> DMTPDraftModel:
+        draft = DMTPDraftModel.from_pretrained(path, **overrides).to(device=device, dtype=dtype).eval()
+        return draft.bind(target, native_mtp=native_mtp() if draft.config.anchor_layout != "dflash" else None)
+
+    strategies = []
+    for label in labels:
+        match = MTP_STRATEGY.match(label)
+        if match:
+            steps = int(match.group(1))
+            strategies.append(Strategy(label, "mtp", MTPDrafter(native_mtp(), steps), None, {"mtp_steps": steps}))
+            continue
+        if label == "dmtp":
+            path = paths.draft
+            if path is None:
+                raise ValueError("strategy 'dmtp' needs a DMTP draft: pass --draft PATH (or drop it from --strategies)")
+            draft = load_draft(path)
+            if draft.config.anchor_layout == "dflash":
+                raise ValueError(f"--draft {path} has anchor_layout='dflash'; pass it as --dflash-draft instead")
+        elif label == "dflash":
+            path = paths.dflash_draft
+            if path is None:
+                raise ValueError(
+                    "strategy 'dflash' needs a DFlash draft: pass --dflash-draft PATH (or drop it from --strategies)"
+                )
+            draft = load_draft(path, anchor_layout="dflash")
+        else:
+            path = paths.extra_drafts[label]
+            draft = load_draft(path)
+        kind = "dflash" if draft.config.anchor_layout == "dflash" else "dmtp"
+        drafter = DFlashDrafter(draft) if kind == "dflash" else DMTPDrafter(draft, draft.native_mtp)
+        cfg = draft.config
+        details = {"anchor_layout": cfg.anchor_layout, "fusion": None if kind == "dflash" else cfg.fusion}
+        strategies.append(Strategy(label, kind, drafter, path, details))
+    return strategies

@@ -1,0 +1,305 @@
+"""``dmtp bench``: end-to-end throughput of every decoding method a user would pick, side by side, in one run.
+
+Throughput = output tokens / wall time of the whole workload (prefill included, DESIGN.md §6), reported as a
+ratio against plain ``target.generate`` at the same batch size. Rows: plain ``generate``; our DMTP, DFlash and
+MTP-k (``dmtp_hf.generate``); Transformers' prompt-lookup decoding, ``use_mtp=True`` (``MTPCandidateGenerator``,
+DeepSeek-V3/GLM-style heads) and assisted decoding with a small ``--assistant``. A method Transformers or the
+engine cannot run here is kept as a row with the reason (e.g. assisted decoding on a stateful hybrid target).
+
+Speculative methods run at batch size 1 (the engine's and Transformers' assisted decoding's limit for now); plain
+``generate`` runs batched (left padding). To spread machine noise evenly, methods are interleaved per prompt chunk
+(rotating their order) and the workload can be repeated; one warm-up call per method precedes all timing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from ..assistant.generate import generate as dmtp_generate
+from .acceptance import EvalSettings, _environment, _finite
+from .models import Strategy
+
+SCHEMA = "dmtp-bench/1"
+RunFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class Baseline:
+    """One row of the benchmark: how to generate a batch, and the largest batch it supports (None: any)."""
+
+    name: str
+    description: str
+    run: RunFn
+    max_batch_size: int | None = 1
+    skipped: str | None = None  # why it cannot run here (kept as a row with this note)
+    note: str = ""
+    measurements: dict[int, dict[str, float]] = field(default_factory=dict)
+
+    def supports(self, batch_size: int) -> bool:
+        """Whether this method can run at ``batch_size`` (and is not skipped)."""
+        return self.skipped is None and (self.max_batch_size is None or batch_size <= self.max_batch_size)
+
+
+def build_baselines(
+    target,
+    strategies: list[Strategy],
+    gen_kwargs: dict[str, Any],
+    *,
+    prompt_lookup_tokens: int = 10,
+    assistant=None,
+    assistant_path: str | None = None,
+    verify_mode: str | None = None,
+) -> list[Baseline]:
+    """Plain ``generate``, our strategies, then Transformers' built-ins (with skip notes where unsupported)."""
+
+    def plain(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return target.generate(ids, attention_mask=mask, **gen_kwargs)
+
+    baselines = [Baseline("generate", "plain target.generate (reference)", plain, max_batch_size=None)]
+
+    for strategy in strategies:
+
+        def ours(ids: torch.Tensor, mask: torch.Tensor, drafter=strategy.drafter) -> torch.Tensor:
+            return dmtp_generate(target, ids, drafter, verify_mode=verify_mode, attention_mask=mask, **gen_kwargs)
+
+        what = {"dmtp": "DMTP (native MTP T1 + DFlash T2..)", "dflash": "our DFlash", "mtp": "our native MTP"}[
+            strategy.kind
+        ]
+        plural = "s" if strategy.num_candidates != 1 else ""
+        description = f"{what}, {strategy.num_candidates} candidate{plural}"
+        baselines.append(Baseline(strategy.label, description, ours, max_batch_size=None))  # batched engine
+
+    def builtin(**extra: Any) -> RunFn:
+        def run(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return target.generate(ids, attention_mask=mask, **gen_kwargs, **extra)
+
+        return run
+
+    stateful = "Transformers' assisted decoding refuses stateful (linear-attention) targets"
+    is_stateful = bool(getattr(target, "_is_stateful", False))
+    lookup = Baseline(
+        "prompt_lookup",
+        f"Transformers prompt-lookup decoding (prompt_lookup_num_tokens={prompt_lookup_tokens})",
+        builtin(prompt_lookup_num_tokens=prompt_lookup_tokens),
+        skipped=stateful if is_stateful else None,
+    )
+    mtp = Baseline(
+        "hf_use_mtp",
+        "Transformers use_mtp=True (MTPCandidateGenerator)",
+        builtin(use_mtp=True),
+        skipped=stateful if is_stateful else None,
+    )
+    if mtp.skipped is None and getattr(target.config.get_text_config(), "num_mtp_layers", None) is None:
+        mtp.skipped = f"Transformers has no use_mtp support for {target.config.get_text_config().model_type}"
+    assisted = Baseline(
+        "assisted",
+        f"Transformers assisted decoding (assistant_model={assistant_path})",
+        builtin(assistant_model=assistant),
+        skipped=None if assistant is not None else "no --assistant given",
+    )
+    if assisted.skipped is None and is_stateful:
+        assisted.skipped = stateful
+    return [*baselines, lookup, mtp, assisted]
+
+
+def _pad_left(prompts: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad 1-D prompts into ``[B, P]`` ids and attention mask."""
+    length = max(p.numel() for p in prompts)
+    ids = torch.full((len(prompts), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), length), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, length - prompt.numel() :] = prompt
+        mask[row, length - prompt.numel() :] = 1
+    return ids, mask
+
+
+def count_output_tokens(new_tokens: torch.Tensor, eos: list[int]) -> int:
+    """Generated tokens per row up to and including the first EOS (what follows is padding), summed."""
+    total = 0
+    for row in new_tokens.tolist():
+        end = next((i + 1 for i, tok in enumerate(row) if tok in eos), len(row))
+        total += end
+    return total
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_benchmark(
+    target,
+    prompts: list[torch.Tensor],
+    baselines: list[Baseline],
+    settings: EvalSettings,
+    *,
+    batch_sizes: list[int],
+    eos: list[int],
+    pad_id: int,
+    repeats: int = 1,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Time every baseline on the same prompts (1-D token tensors); returns the JSON-serialisable results.
+
+    Per batch size: the prompts are split into chunks of that size; for every chunk, every method that supports
+    the batch size generates it, in an order rotated per chunk. Throughput of a method = its output tokens / its
+    summed wall time over the workload; ``speedup`` divides it by plain ``generate``'s at the same batch size.
+    At batch size 1 each method's tokens are compared with plain ``generate``'s (``matches_generate``: the
+    fraction of prompts with identical output, 1.0 for lossless greedy decoding).
+    """
+    device = next(target.parameters()).device
+    if any(b < 1 for b in batch_sizes):
+        raise ValueError(f"--batch-sizes must be positive (got {batch_sizes})")
+    if repeats < 1:
+        raise ValueError(f"--repeats must be >= 1 (got {repeats})")
+
+    # One warm-up per method (kernels, MTP/assistant loading, caches); a method that fails here is skipped.
+    warm_ids, warm_mask = _pad_left([prompts[0]], pad_id)
+    for baseline in tqdm(baselines, desc="dmtp bench warm-up", disable=not progress, dynamic_ncols=True):
+        if baseline.skipped is not None:
+            continue
+        try:
+            baseline.run(warm_ids.to(device), warm_mask.to(device))
+        except (ValueError, NotImplementedError, TypeError, AttributeError) as err:
+            baseline.skipped = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:160]
+
+    reference: dict[int, list[int]] = {}
+    total_calls = sum(
+        repeats * -(-len(prompts) // bs) * sum(1 for b in baselines if b.supports(bs)) for bs in batch_sizes
+    )
+    bar = tqdm(total=total_calls, desc="dmtp bench", unit="call", disable=not progress, dynamic_ncols=True)
+    try:
+        for bs in batch_sizes:
+            active = [b for b in baselines if b.supports(bs)]
+            chunks = [prompts[i : i + bs] for i in range(0, len(prompts), bs)]
+            totals = {b.name: {"output_tokens": 0, "seconds": 0.0, "same": 0, "compared": 0} for b in active}
+            outputs: dict[str, dict[int, list[int]]] = {b.name: {} for b in active}
+            for repeat in range(repeats):
+                for index, chunk in enumerate(chunks):
+                    ids, mask = _pad_left(chunk, pad_id)
+                    ids, mask = ids.to(device), mask.to(device)
+                    shift = (index + repeat) % len(active)
+                    for baseline in active[shift:] + active[:shift]:
+                        bar.set_postfix_str(f"bs={bs} {baseline.name}", refresh=False)
+                        _sync(device)
+                        start = time.perf_counter()
+                        sequences = baseline.run(ids, mask)
+                        _sync(device)
+                        elapsed = time.perf_counter() - start
+                        new = sequences[:, ids.shape[1] :]
+                        totals[baseline.name]["output_tokens"] += count_output_tokens(new, eos)
+                        totals[baseline.name]["seconds"] += elapsed
+                        if bs == 1 and repeat == 0:
+                            n = count_output_tokens(new, eos)
+                            outputs[baseline.name][index] = new[0, :n].tolist()
+                        bar.update()
+            if bs == 1:
+                reference = outputs["generate"]
+            for baseline in active:
+                t = totals[baseline.name]
+                entry = {
+                    "output_tokens": t["output_tokens"],
+                    "seconds": t["seconds"],
+                    "tokens_per_second": t["output_tokens"] / t["seconds"] if t["seconds"] else None,
+                }
+                if bs == 1 and reference:
+                    same = sum(outputs[baseline.name].get(i) == ref for i, ref in reference.items())
+                    entry["matches_generate"] = same / len(reference)
+                baseline.measurements[bs] = entry
+            base = baselines[0].measurements.get(bs, {}).get("tokens_per_second")
+            for baseline in active:
+                tps = baseline.measurements[bs]["tokens_per_second"]
+                baseline.measurements[bs]["speedup"] = tps / base if tps and base else None
+    finally:
+        bar.close()
+
+    return _finite(
+        {
+            "schema": SCHEMA,
+            "environment": _environment(device),
+            "settings": {
+                "max_new_tokens": settings.max_new_tokens,
+                "temperature": settings.temperature,
+                "limit": settings.limit,
+                "chat_template": settings.chat_template,
+                "enable_thinking": settings.enable_thinking,
+                "batch_sizes": list(batch_sizes),
+                "repeats": repeats,
+                "num_prompts": len(prompts),
+                "prompt_tokens": sum(int(p.numel()) for p in prompts),
+            },
+            "baselines": [
+                {
+                    "name": b.name,
+                    "description": b.description,
+                    "max_batch_size": b.max_batch_size,
+                    "skipped": b.skipped,
+                    "results": {str(bs): b.measurements.get(bs) for bs in batch_sizes},
+                }
+                for b in baselines
+            ],
+        }
+    )
+
+
+def bench_table(results: dict[str, Any]):
+    """A rich ``Table``: one row per method, ``tok/s (×generate)`` per batch size, then notes."""
+    from rich.table import Table
+
+    batch_sizes = results["settings"]["batch_sizes"]
+    table = Table(title="dmtp bench: end-to-end throughput (output tokens / wall time, prefill included)")
+    table.add_column("method", no_wrap=True)
+    for bs in batch_sizes:
+        table.add_column(f"bs={bs} tok/s", justify="right")
+        table.add_column(f"bs={bs} ×gen", justify="right")
+    table.add_column("= generate", justify="right")
+    table.add_column("note")
+    for baseline in results["baselines"]:
+        cells = []
+        for bs in batch_sizes:
+            entry = baseline["results"][str(bs)]
+            if entry is None:
+                cells += ["n/a", "n/a"]
+            else:
+                tps, speedup = entry["tokens_per_second"], entry["speedup"]
+                cells += [f"{tps:.1f}" if tps else "n/a", f"{speedup:.2f}×" if speedup else "n/a"]
+        first = baseline["results"].get("1") or {}
+        match = first.get("matches_generate")
+        note = baseline["skipped"] and f"skipped: {baseline['skipped']}" or baseline["description"]
+        table.add_row(baseline["name"], *cells, "n/a" if match is None else f"{100 * match:.0f}%", note)
+    return table
+
+
+def plot_throughput(results: dict[str, Any], path: str | Path) -> Path:
+    """Throughput vs batch size, one line (or point) per method that ran."""
+    from .report import _pyplot
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.0))
+    for baseline in results["baselines"]:
+        points = [
+            (int(bs), entry["tokens_per_second"])
+            for bs, entry in baseline["results"].items()
+            if entry and entry["tokens_per_second"]
+        ]
+        if points:
+            xs, ys = zip(*sorted(points))
+            ax.plot(xs, ys, marker="o", label=baseline["name"])
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(results["settings"]["batch_sizes"], [str(b) for b in results["settings"]["batch_sizes"]])
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("output tokens / s")
+    ax.set_title("End-to-end throughput")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)

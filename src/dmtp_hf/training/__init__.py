@@ -1,0 +1,53 @@
+"""Training DMTP drafts (and the DFlash baseline) against a frozen target and its frozen native MTP head.
+
+- `data`: chat JSONL (OpenAI ``messages`` / ShareGPT ``conversations``) -> token ids + assistant loss mask.
+- `regenerate`: rewrite the assistant turns with the target itself (``dmtp regenerate``).
+- `features`: target context features and teacher-forced MTP hidden states, online or offline (``dmtp extract``).
+- `objective`: anchors, blocks per layout, DFlash visibility masks (dense SDPA / FlexAttention), decayed CE, metrics.
+- `trainer`: `TrainConfig` + `Trainer` (accelerate; ``scripts/finetune.py``, ``dmtp train``).
+"""
+
+from .data import ChatRenderer, TokenizedDataset, collate, conversation_from_record, load_dataset_records, read_jsonl
+from .features import FeatureExtractor, OfflineFeatureDataset, extract_features, load_target
+from .objective import (
+    BlockPlan,
+    DMTPTrainingObjective,
+    ObjectiveOutput,
+    anchor_scores,
+    build_attention_masks,
+    plan_blocks,
+    sample_anchors,
+    summarize_metrics,
+    valid_anchor_mask,
+)
+from .regenerate import regenerate
+from .trainer import StepSchedule, TrainConfig, Trainer, build_draft, merged_draft, synthetic_greedy_dataset
+
+__all__ = [
+    "BlockPlan",
+    "ChatRenderer",
+    "DMTPTrainingObjective",
+    "FeatureExtractor",
+    "ObjectiveOutput",
+    "OfflineFeatureDataset",
+    "StepSchedule",
+    "TokenizedDataset",
+    "TrainConfig",
+    "Trainer",
+    "anchor_scores",
+    "build_attention_masks",
+    "build_draft",
+    "collate",
+    "conversation_from_record",
+    "extract_features",
+    "load_dataset_records",
+    "load_target",
+    "merged_draft",
+    "plan_blocks",
+    "read_jsonl",
+    "regenerate",
+    "sample_anchors",
+    "summarize_metrics",
+    "synthetic_greedy_dataset",
+    "valid_anchor_mask",
+]

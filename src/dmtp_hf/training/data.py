@@ -1,0 +1,287 @@
+"""Training data: chat JSONL -> token ids + loss mask over the assistant turns.
+
+Accepted records (one JSON object per line):
+
+* OpenAI: ``{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}``
+* ShareGPT: ``{"conversations": [{"from": "human", "value": "..."}, {"from": "gpt", "value": "..."}]}`` (entries in
+  ``{"role", "content"}`` form are accepted too)
+* pre-tokenized: ``{"input_ids": [...], "loss_mask": [...]}`` (``loss_mask`` optional, default all ones)
+
+Chat records are rendered with the target tokenizer's chat template. The loss mask covers the assistant tokens and
+their end-of-turn token(s), never the role headers. Two strategies (``mask_strategy``):
+
+* ``"generation"``: the template marks assistant text with ``{% generation %}``; Transformers returns the mask
+  (``return_assistant_tokens_mask``).
+* ``"incremental"`` (works with any template that renders history append-only, e.g. Qwen's
+  ``<|im_start|>role\\n...<|im_end|>\\n``): render the conversation as text once; for assistant message ``k`` the
+  supervised *character* span starts where the rendering of ``messages[:k]`` plus the generation prompt stops
+  agreeing with the full text (so the header, and e.g. an empty ``<think></think>`` the prompt injects, stay
+  unsupervised) and ends at the length of the rendering of ``messages[:k + 1]``. Tokens are then selected through
+  the tokenizer's offset mapping, so BPE merges across span boundaries cannot shift the mask.
+
+``"auto"`` picks ``generation`` when the template contains ``{% generation %}``, else ``incremental``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "ChatRenderer",
+    "TokenizedDataset",
+    "collate",
+    "conversation_from_record",
+    "load_dataset_records",
+    "read_jsonl",
+]
+
+_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "model": "assistant",
+    "system": "system",
+    "tool": "tool",
+    "function": "tool",
+}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Reading JSONL
+
+
+def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Yield ``(line_number, record)`` for each non-empty line; malformed lines raise ``ValueError`` naming them."""
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{line_no}: invalid JSON ({err.msg} at column {err.colno})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{line_no}: expected a JSON object, got {type(record).__name__}")
+            yield line_no, record
+
+
+def conversation_from_record(record: dict[str, Any], where: str = "record") -> list[dict[str, str]]:
+    """Normalise an OpenAI ``messages`` or ShareGPT ``conversations`` record to ``[{"role", "content"}, ...]``."""
+    turns = record.get("messages", record.get("conversations"))
+    if turns is None:
+        raise ValueError(f"{where}: no 'messages' or 'conversations' field (keys: {sorted(record)})")
+    if not isinstance(turns, list) or not turns:
+        raise ValueError(f"{where}: 'messages'/'conversations' must be a non-empty list")
+    messages = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise ValueError(f"{where}: turn {i} is not an object")
+        role = turn.get("role", turn.get("from"))
+        content = turn.get("content", turn.get("value"))
+        if role is None or content is None:
+            raise ValueError(
+                f"{where}: turn {i} needs 'role'/'content' (or ShareGPT 'from'/'value'), got {sorted(turn)}"
+            )
+        if str(role).lower() not in _ROLES:
+            raise ValueError(f"{where}: turn {i} has unknown role {role!r}; expected one of {sorted(_ROLES)}")
+        if not isinstance(content, str):
+            raise ValueError(f"{where}: turn {i} content must be a string, got {type(content).__name__}")
+        messages.append({"role": _ROLES[str(role).lower()], "content": content})
+    return messages
+
+
+# ----------------------------------------------------------------------------------------------------
+# Rendering with the chat template
+
+
+class ChatRenderer:
+    """Turns a conversation into ``input_ids`` and ``loss_mask`` with a tokenizer's chat template.
+
+    Args:
+        tokenizer: a Transformers (fast) tokenizer with a chat template.
+        enable_thinking: passed to the template as ``enable_thinking`` when not None (Qwen3-style templates).
+        max_length: truncate to this many tokens (None: no truncation).
+        mask_strategy: ``"auto"``, ``"generation"`` or ``"incremental"`` (see the module docstring).
+        chat_template_kwargs: extra template variables.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        enable_thinking: bool | None = None,
+        max_length: int | None = None,
+        mask_strategy: str = "auto",
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ):
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("The tokenizer has no chat template; set one or use pre-tokenized records.")
+        if mask_strategy == "auto":
+            mask_strategy = "generation" if "generation" in _generation_tags(tokenizer.chat_template) else "incremental"
+        if mask_strategy not in ("generation", "incremental"):
+            raise ValueError(f"mask_strategy must be 'auto', 'generation' or 'incremental', got {mask_strategy!r}")
+        self.tokenizer = tokenizer
+        self.max_length = max_length
+        self.mask_strategy = mask_strategy
+        self.template_kwargs = dict(chat_template_kwargs or {})
+        if enable_thinking is not None:
+            self.template_kwargs["enable_thinking"] = enable_thinking
+
+    def render_text(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+        """The chat template applied to ``messages``, as text."""
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **self.template_kwargs
+        )
+
+    def __call__(self, messages: list[dict[str, str]]) -> dict[str, torch.Tensor]:
+        """``{"input_ids": [T], "loss_mask": [T]}`` (long tensors) for one conversation."""
+        if self.mask_strategy == "generation":
+            encoded = self.tokenizer.apply_chat_template(
+                messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **self.template_kwargs
+            )
+            input_ids = torch.tensor(encoded["input_ids"], dtype=torch.long)
+            loss_mask = torch.tensor(encoded["assistant_masks"], dtype=torch.long)
+        else:
+            input_ids, loss_mask = self._incremental(messages)
+        if self.max_length is not None:
+            input_ids, loss_mask = input_ids[: self.max_length], loss_mask[: self.max_length]
+        return {"input_ids": input_ids, "loss_mask": loss_mask}
+
+    def assistant_char_spans(self, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered text and the ``[start, end)`` character spans of the assistant turns (end-of-turn included)."""
+        full = self.render_text(messages)
+        spans = []
+        for k, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            prompt = self.render_text(messages[:k], add_generation_prompt=True)
+            through = self.render_text(messages[: k + 1])
+            if not full.startswith(through):
+                raise ValueError(
+                    "The chat template rewrites earlier turns (e.g. strips past reasoning), so assistant spans cannot "
+                    "be located by incremental rendering; use a template with {% generation %} markers "
+                    "(mask_strategy='generation') or split the conversation into single-turn records."
+                )
+            start = _common_prefix_length(prompt, full)
+            spans.append((start, len(through)))
+        return full, spans
+
+    def _incremental(self, messages: list[dict[str, str]]) -> tuple[torch.Tensor, torch.Tensor]:
+        text, spans = self.assistant_char_spans(messages)
+        encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        input_ids = torch.tensor(encoded["input_ids"], dtype=torch.long)
+        offsets = torch.tensor(encoded["offset_mapping"], dtype=torch.long).view(-1, 2)  # [T, 2]
+        if not spans:
+            return input_ids, torch.zeros_like(input_ids)
+        span = torch.tensor(spans, dtype=torch.long)  # [K, 2]
+        # token [s, e) overlaps span [cs, ce) iff s < ce and e > cs; zero-width tokens are never supervised
+        overlap = (offsets[:, None, 0] < span[None, :, 1]) & (offsets[:, None, 1] > span[None, :, 0])
+        nonempty = offsets[:, 1] > offsets[:, 0]
+        return input_ids, (overlap.any(dim=1) & nonempty).long()
+
+
+def _generation_tags(template: str | dict) -> str:
+    text = template if isinstance(template, str) else " ".join(template.values())
+    return "generation" if "{% generation %}" in text or "{%- generation %}" in text else ""
+
+
+def _common_prefix_length(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+# ----------------------------------------------------------------------------------------------------
+# Datasets
+
+
+class TokenizedDataset(torch.utils.data.Dataset):
+    """An in-memory list of samples ``{"input_ids": [T], "loss_mask": [T], ...}`` (long tensors)."""
+
+    def __init__(self, samples: list[dict[str, torch.Tensor]]):
+        self.samples = samples
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return self.samples[i]
+
+
+def _has_two_supervised_in_a_row(loss_mask: torch.Tensor) -> bool:
+    return bool((loss_mask[:-1].bool() & loss_mask[1:].bool()).any()) if len(loss_mask) > 1 else False
+
+
+def load_dataset_records(
+    path: str | os.PathLike,
+    tokenizer: Any | str | None = None,
+    max_length: int | None = None,
+    enable_thinking: bool | None = None,
+    mask_strategy: str = "auto",
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> torch.utils.data.Dataset:
+    """Load a training set: an offline feature directory, or a chat / pre-tokenized JSONL file.
+
+    Samples without two consecutive supervised tokens (no valid anchor) are dropped. ``tokenizer`` may be a
+    tokenizer or a path for ``AutoTokenizer``; it is only needed for chat records.
+    """
+    path = Path(path)
+    if path.is_dir():
+        from .features import OfflineFeatureDataset
+
+        return OfflineFeatureDataset(path)
+    renderer = None
+    samples = []
+    for line_no, record in read_jsonl(path):
+        where = f"{path}:{line_no}"
+        if "input_ids" in record:
+            ids = record["input_ids"]
+            mask = record.get("loss_mask", [1] * len(ids))
+            if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+                raise ValueError(f"{where}: 'input_ids' must be a list of integers")
+            if not isinstance(mask, list) or len(mask) != len(ids):
+                raise ValueError(f"{where}: 'loss_mask' must be a list as long as 'input_ids' ({len(ids)})")
+            sample = {"input_ids": torch.tensor(ids, dtype=torch.long), "loss_mask": torch.tensor(mask).long()}
+            if max_length is not None:
+                sample = {k: v[:max_length] for k, v in sample.items()}
+        else:
+            messages = conversation_from_record(record, where)
+            if renderer is None:
+                if tokenizer is None:
+                    raise ValueError(f"{where}: chat records need a tokenizer (set `tokenizer` in the config)")
+                if isinstance(tokenizer, (str, os.PathLike)):
+                    from transformers import AutoTokenizer
+
+                    tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+                renderer = ChatRenderer(tokenizer, enable_thinking, max_length, mask_strategy, chat_template_kwargs)
+            try:
+                sample = renderer(messages)
+            except ValueError as err:
+                raise ValueError(f"{where}: {err}") from None
+        if _has_two_supervised_in_a_row(sample["loss_mask"]):
+            samples.append(sample)
+    if not samples:
+        raise ValueError(f"{path}: no usable sample (each needs two consecutive supervised tokens)")
+    return TokenizedDataset(samples)
+
+
+def collate(samples: Sequence[dict[str, torch.Tensor]], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
+    """Right-pad a list of samples into a batch: ``input_ids``/``loss_mask``/``attention_mask`` ``[B, S]`` and any
+    feature tensors ``[B, S, ...]`` (padded with zeros; padding is never supervised nor visible to a block)."""
+    lengths = torch.tensor([len(s["input_ids"]) for s in samples])
+    batch: dict[str, torch.Tensor] = {}
+    for key in samples[0]:
+        padding = pad_token_id if key == "input_ids" else 0
+        batch[key] = torch.nn.utils.rnn.pad_sequence([s[key] for s in samples], batch_first=True, padding_value=padding)
+    batch["attention_mask"] = (torch.arange(int(lengths.max()))[None] < lengths[:, None]).long()
+    return batch

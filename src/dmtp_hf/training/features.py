@@ -1,0 +1,318 @@
+"""Frozen features for draft training: target context features and the native MTP head's hidden states.
+
+For a sequence ``x_0 .. x_{S-1}`` (one target forward, one teacher-forced MTP pass, all under ``no_grad``):
+
+* ``context [S, k*H]``: ``hidden_states[i + 1]`` of the target for ``i`` in ``target_layer_ids``, concatenated (the
+  DFlash context features);
+* ``mtp_hidden [S, H]``: ``g_t`` = MTP head output for the pair ``(x_{t+1}, h_t)`` at position ``t``, which predicts
+  ``x_{t+2}``; ``h_t`` is the target's last hidden state (post-norm by default, the tensor fed to the LM head). The
+  last row (no ``x_S``) is zero and never read: anchors stop at ``S - 2`` and use ``g_{a-1}``;
+* ``mtp_token [S]``: ``argmax lm_head(g_t)``, the MTP head's greedy guess for ``x_{t+2}`` (acceptance metric only).
+
+`FeatureExtractor` computes them online inside the trainer; `extract_features` / `main` (``dmtp extract``) write
+them to safetensors shards, and `OfflineFeatureDataset` streams them back. Both paths share `FeatureExtractor`,
+so online and offline training see the same numbers.
+
+Shard format (``features-00000.safetensors``), samples concatenated along the token axis: ``input_ids [T]``,
+``loss_mask [T]``, ``context [T, k*H]``, ``mtp_hidden [T, H]``, ``mtp_token [T]``, ``offsets [n + 1]``; plus
+``index.json`` with the shard names, their sample counts and the extraction settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel
+
+from ..modeling.io import atomic_directory
+from ..modeling.native_mtp import NativeMTPHead, TargetHiddenExtractor, load_native_mtp
+
+__all__ = [
+    "FEATURE_KEYS",
+    "FeatureExtractor",
+    "OfflineFeatureDataset",
+    "extract_features",
+    "precompute_features",
+    "freeze",
+    "load_target",
+    "main",
+]
+
+FEATURE_KEYS = ("context", "mtp_hidden", "mtp_token")
+
+
+def freeze(module: nn.Module) -> nn.Module:
+    """``requires_grad_(False)`` + ``eval()``: frozen parts get no gradient and no dropout."""
+    module.requires_grad_(False)
+    return module.eval()
+
+
+def load_target(
+    path: str | os.PathLike, dtype: torch.dtype | str = "auto", device: str | None = None
+) -> PreTrainedModel:
+    """Load a target causal LM for feature extraction (frozen, eval mode).
+
+    ``path`` may be ``tiny:<family>[@dir]`` to build one of the tiny random test targets
+    (`dmtp_hf.testing.tiny_targets`) for smoke tests. MTP tensors are skipped silently, including at the tiny depths
+    where Transformers' hard-coded ignore patterns do not match.
+    """
+    from ..testing.tiny_targets import load_tiny_target, make_tiny_target
+
+    path = str(path)
+    if path.startswith("tiny:"):
+        family, _, directory = path.removeprefix("tiny:").partition("@")
+        directory = directory or os.path.join(os.environ.get("TMPDIR", "/tmp"), f"dmtp-tiny-{family}")
+        if not (Path(directory) / "config.json").exists():
+            make_tiny_target(family, directory)
+        path = directory
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if device is not None:
+        kwargs["device_map"] = device
+    target = load_tiny_target(path, **kwargs)  # == AutoModelForCausalLM.from_pretrained + MTP ignore patterns
+    return freeze(target)
+
+
+class FeatureExtractor:
+    """Computes the frozen training features of a batch from the target and (optionally) its native MTP head.
+
+    Args:
+        target: the frozen target causal LM.
+        target_layer_ids: 0-based target layers whose outputs form the context features.
+        mtp_head: the frozen native MTP head, or None for the DFlash baseline (no MTP features).
+        hidden_input: the target hidden the MTP head reads: ``"post_norm"`` (default) or ``"pre_norm"``.
+        token_chunk: positions per LM-head chunk when computing ``mtp_token`` (bounds the ``[B, chunk, V]`` logits).
+    """
+
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        target_layer_ids: Sequence[int],
+        mtp_head: NativeMTPHead | None = None,
+        hidden_input: str = "post_norm",
+        token_chunk: int = 256,
+    ):
+        self.target = target
+        self.target_layer_ids = list(target_layer_ids)
+        self.mtp_head = mtp_head
+        self.hidden_input = hidden_input
+        self.token_chunk = token_chunk
+
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Features of a right-padded batch ``input_ids [B, S]`` (see the module docstring for the keys)."""
+        with TargetHiddenExtractor(self.target, self.hidden_input) as extract:
+            outputs = self.target(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                output_hidden_states=True,
+                use_cache=False,
+                logits_to_keep=1,  # the target's own logits are not needed
+            )
+            last_hidden = extract(outputs)  # [B, S, H]
+        context = torch.cat([outputs.hidden_states[i + 1] for i in self.target_layer_ids], dim=-1)  # [B, S, k*H]
+        features = {"context": context}
+        if self.mtp_head is None:
+            return features
+
+        # Teacher-forced MTP pass: pair t = (x_{t+1}, h_t) at position t gives g_t (predicts x_{t+2}). The head is
+        # causal and the batch right-padded, so padding never reaches a real position.
+        bsz, seq_len = input_ids.shape
+        positions = torch.arange(seq_len - 1, device=input_ids.device).expand(bsz, -1)
+        g = self.mtp_head(input_ids[:, 1:], last_hidden[:, :-1], positions)  # [B, S-1, H]
+        mtp_hidden = torch.cat([g, g.new_zeros(bsz, 1, g.shape[-1])], dim=1)  # [B, S, H]
+        mtp_token = torch.cat(
+            [self.mtp_head.logits(chunk).argmax(dim=-1) for chunk in mtp_hidden.split(self.token_chunk, dim=1)], dim=1
+        )
+        features["mtp_hidden"] = mtp_hidden
+        features["mtp_token"] = mtp_token
+        return features
+
+
+def _batched_features(
+    extractor: FeatureExtractor, dataset: Sequence[dict[str, torch.Tensor]], batch_size: int, progress: bool
+):
+    """Yield ``{input_ids, loss_mask, <features>}`` per sample (unpadded, on CPU), computing features in batches."""
+    from .data import collate
+
+    device = next(extractor.target.parameters()).device
+    bar = tqdm(total=len(dataset), desc="features", disable=not progress)
+    for start in range(0, len(dataset), batch_size):
+        samples = [dataset[i] for i in range(start, min(start + batch_size, len(dataset)))]
+        batch = collate(samples)
+        features = extractor(batch["input_ids"].to(device), batch["attention_mask"].to(device))
+        for row, sample in enumerate(samples):
+            n = len(sample["input_ids"])
+            item = {"input_ids": sample["input_ids"].long(), "loss_mask": sample["loss_mask"].long()}
+            item.update({key: value[row, :n].cpu() for key, value in features.items()})
+            yield item
+        bar.update(len(samples))
+    bar.close()
+
+
+def precompute_features(
+    extractor: FeatureExtractor,
+    dataset: Sequence[dict[str, torch.Tensor]],
+    batch_size: int = 8,
+    progress: bool = False,
+) -> torch.utils.data.Dataset:
+    """An in-memory dataset of samples with their features (offline training without touching the disk)."""
+    from .data import TokenizedDataset
+
+    return TokenizedDataset(list(_batched_features(extractor, dataset, batch_size, progress)))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Offline features
+
+
+def extract_features(
+    extractor: FeatureExtractor,
+    dataset: Sequence[dict[str, torch.Tensor]],
+    output_dir: str | os.PathLike,
+    *,
+    batch_size: int = 8,
+    shard_size: int = 1024,
+    dtype: torch.dtype | None = None,
+    metadata: dict[str, Any] | None = None,
+    progress: bool = True,
+) -> Path:
+    """Run ``extractor`` over ``dataset`` (items with ``input_ids``/``loss_mask``) and write safetensors shards.
+
+    ``dtype`` casts the float features (e.g. ``torch.bfloat16`` to halve the disk footprint; None keeps the
+    target's). The directory is written atomically.
+    """
+    with atomic_directory(output_dir) as tmp:
+        shards: list[dict[str, Any]] = []
+        pending: list[dict[str, torch.Tensor]] = []
+
+        def flush() -> None:
+            if not pending:
+                return
+            name = f"features-{len(shards):05d}.safetensors"
+            lengths = torch.tensor([len(s["input_ids"]) for s in pending])
+            tensors = {key: torch.cat([s[key] for s in pending]).contiguous() for key in pending[0]}
+            tensors["offsets"] = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+            save_file(tensors, str(tmp / name), metadata={"format": "pt"})
+            shards.append({"file": name, "num_samples": len(pending)})
+            pending.clear()
+
+        for item in _batched_features(extractor, dataset, batch_size, progress):
+            if dtype is not None:
+                item = {k: v.to(dtype) if v.is_floating_point() else v for k, v in item.items()}
+            pending.append(item)
+            if len(pending) >= shard_size:
+                flush()
+        flush()
+        index = {
+            "shards": shards,
+            "num_samples": sum(s["num_samples"] for s in shards),
+            "target_layer_ids": extractor.target_layer_ids,
+            "hidden_input": extractor.hidden_input,
+            "has_mtp": extractor.mtp_head is not None,
+            **(metadata or {}),
+        }
+        (tmp / "index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return Path(output_dir)
+
+
+class OfflineFeatureDataset(torch.utils.data.Dataset):
+    """Random access to features written by `extract_features` (tensors are read lazily, per sample)."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = Path(directory)
+        index_file = self.directory / "index.json"
+        if not index_file.exists():
+            raise FileNotFoundError(f"{index_file} not found: not a feature directory written by `dmtp extract`.")
+        self.index = json.loads(index_file.read_text())
+        self._shards: list[tuple[str, torch.Tensor]] = []  # (file, offsets)
+        self._locate: list[tuple[int, int]] = []  # sample -> (shard, row)
+        for shard_id, shard in enumerate(self.index["shards"]):
+            path = str(self.directory / shard["file"])
+            with safe_open(path, framework="pt") as f:
+                offsets = f.get_tensor("offsets")
+            self._shards.append((path, offsets))
+            self._locate.extend((shard_id, row) for row in range(len(offsets) - 1))
+        self._handles: dict[int, Any] = {}
+
+    def __len__(self) -> int:
+        return len(self._locate)
+
+    def _handle(self, shard_id: int):
+        if shard_id not in self._handles:
+            self._handles[shard_id] = safe_open(self._shards[shard_id][0], framework="pt")
+        return self._handles[shard_id]
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        shard_id, row = self._locate[i]
+        offsets = self._shards[shard_id][1]
+        start, end = int(offsets[row]), int(offsets[row + 1])
+        handle = self._handle(shard_id)
+        return {key: handle.get_slice(key)[start:end] for key in handle.keys() if key != "offsets"}
+
+    def __getstate__(self) -> dict[str, Any]:  # safetensors handles are not picklable (DataLoader workers)
+        state = self.__dict__.copy()
+        state["_handles"] = {}
+        return state
+
+
+# ----------------------------------------------------------------------------------------------------
+# CLI: dmtp extract
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dmtp extract", description="Extract frozen target + MTP features for offline draft training."
+    )
+    parser.add_argument("--target", required=True, help="target checkpoint (or tiny:<family> for smoke tests)")
+    parser.add_argument("--data", required=True, help="chat or pre-tokenized JSONL")
+    parser.add_argument("--output", required=True, help="output feature directory")
+    parser.add_argument("--target-layer-ids", required=True, help="comma-separated 0-based target layers")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer path (default: the target)")
+    parser.add_argument("--max-length", type=int, default=4096)
+    parser.add_argument("--enable-thinking", choices=["true", "false", "unset"], default="unset")
+    parser.add_argument("--no-mtp", action="store_true", help="skip the MTP features (DFlash baseline)")
+    parser.add_argument("--hidden-input", choices=["post_norm", "pre_norm"], default="post_norm")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--shard-size", type=int, default=1024)
+    parser.add_argument("--dtype", default="bfloat16", help="storage dtype of float features (or 'keep')")
+    parser.add_argument("--device", default=None)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``dmtp extract``: tokenize a dataset, run the frozen target and MTP head, write feature shards."""
+    from .data import load_dataset_records
+
+    args = _parser().parse_args(argv)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    target = load_target(args.target, dtype="auto", device=device)
+    layer_ids = [int(i) for i in args.target_layer_ids.split(",")]
+    head = None if args.no_mtp else freeze(load_native_mtp(target, hidden_input=args.hidden_input))
+    thinking = {"true": True, "false": False, "unset": None}[args.enable_thinking]
+    dataset = load_dataset_records(
+        args.data, tokenizer=args.tokenizer or _target_dir(args.target), max_length=args.max_length,
+        enable_thinking=thinking,
+    )  # fmt: skip
+    dtype = None if args.dtype == "keep" else getattr(torch, args.dtype)
+    extractor = FeatureExtractor(target, layer_ids, head, hidden_input=args.hidden_input)
+    out = extract_features(
+        extractor, dataset, args.output, batch_size=args.batch_size, shard_size=args.shard_size, dtype=dtype,
+        metadata={"target": str(args.target), "data": str(args.data)},
+    )  # fmt: skip
+    print(f"wrote {len(dataset)} samples to {out}")
+    return 0
+
+
+def _target_dir(target: str) -> str | None:
+    """The tokenizer location implied by ``--target`` (None for tiny targets, which have no tokenizer)."""
+    return None if str(target).startswith("tiny:") else target

@@ -1,0 +1,152 @@
+"""Regenerate the assistant turns of a chat dataset with the target itself (``dmtp regenerate``).
+
+Drafts accept best on text the target would write (same model, same chat template, same thinking mode), so the
+training responses are rewritten by the target: greedy (T = 0) by default, batched with left padding. Multi-turn
+conversations are regenerated turn by turn: the k-th assistant turn is generated from the history that already
+contains the regenerated turns ``< k``. A conversation ending with a user turn gets one generated reply.
+
+Output: JSONL ``{"id": ..., "messages": [...]}`` (OpenAI form). The run is resumable: records are appended as
+they complete, and ids already in the output file are skipped (a truncated last line from a killed run is dropped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from .data import conversation_from_record, read_jsonl
+
+__all__ = ["completed_ids", "main", "regenerate"]
+
+
+def completed_ids(output_path: str | os.PathLike) -> set[str]:
+    """Ids already written to ``output_path``; a trailing partial line (killed run) is truncated away."""
+    path = Path(output_path)
+    if not path.exists():
+        return set()
+    data = path.read_bytes()
+    good = data.rfind(b"\n") + 1  # everything after the last newline is a partial record
+    if good != len(data):
+        with open(path, "r+b") as f:
+            f.truncate(good)
+    return {str(json.loads(line)["id"]) for line in data[:good].decode("utf-8").splitlines() if line.strip()}
+
+
+def _turns_to_generate(messages: list[dict[str, str]]) -> list[int]:
+    """Indices of the assistant turns to rewrite (plus one past the end when the conversation ends with a user)."""
+    indices = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if messages[-1]["role"] == "user":
+        indices.append(len(messages))
+    return indices
+
+
+@torch.no_grad()
+def regenerate(
+    target: Any,
+    tokenizer: Any,
+    input_path: str | os.PathLike,
+    output_path: str | os.PathLike,
+    *,
+    batch_size: int = 8,
+    max_new_tokens: int = 2048,
+    temperature: float = 0.0,
+    enable_thinking: bool | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    limit: int | None = None,
+    progress: bool = True,
+) -> int:
+    """Rewrite every assistant turn of ``input_path`` with ``target``; append results to ``output_path``.
+
+    Returns the number of records written by this call (already-completed ids are skipped).
+    """
+    template_kwargs = dict(chat_template_kwargs or {})
+    if enable_thinking is not None:
+        template_kwargs["enable_thinking"] = enable_thinking
+    tokenizer.padding_side = "left"  # generation continues every row from its own last token
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    done = completed_ids(output_path)
+    todo = []
+    for line_no, record in read_jsonl(input_path):
+        record_id = str(record.get("id", line_no))
+        if record_id not in done:
+            todo.append((record_id, conversation_from_record(record, f"{input_path}:{line_no}")))
+        if limit is not None and len(todo) + len(done) >= limit:
+            break
+
+    device = next(target.parameters()).device
+    sampling = {"do_sample": False} if temperature == 0 else {"do_sample": True, "temperature": temperature}
+    written = 0
+    Path(output_path).parent.mkdir(parents=True, exist_ok=True)
+    with open(output_path, "a", encoding="utf-8") as out, tqdm(total=len(todo), disable=not progress) as bar:
+        for start in range(0, len(todo), batch_size):
+            batch = todo[start : start + batch_size]
+            histories: list[list[dict[str, str]]] = [[] for _ in batch]
+            plans = [_turns_to_generate(messages) for _, messages in batch]
+            sources = [messages for _, messages in batch]
+            for turn in range(max(len(p) for p in plans)):
+                rows = [r for r, plan in enumerate(plans) if turn < len(plan)]
+                prompts = []
+                for r in rows:
+                    end = plans[r][turn]
+                    # history message i replaces source message i, so the source is consumed up to len(history)
+                    histories[r].extend(sources[r][len(histories[r]) : end])
+                    prompts.append(
+                        tokenizer.apply_chat_template(
+                            histories[r], tokenize=False, add_generation_prompt=True, **template_kwargs
+                        )
+                    )
+                encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+                generated = target.generate(
+                    **encoded, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **sampling
+                )
+                replies = tokenizer.batch_decode(
+                    generated[:, encoded["input_ids"].shape[1] :], skip_special_tokens=True
+                )
+                for r, reply in zip(rows, replies, strict=True):
+                    histories[r].append({"role": "assistant", "content": reply})
+            for (record_id, source), history in zip(batch, histories, strict=True):
+                history.extend(source[len(history) :])  # trailing non-user turns (e.g. tool output) are kept
+                out.write(json.dumps({"id": record_id, "messages": history}, ensure_ascii=False) + "\n")
+                written += 1
+            out.flush()
+            bar.update(len(batch))
+    return written
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``dmtp regenerate``: rewrite the assistant turns of a chat JSONL with the target (greedy by default)."""
+    from .features import load_target
+
+    parser = argparse.ArgumentParser(prog="dmtp regenerate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", required=True, help="target checkpoint")
+    parser.add_argument("--input", required=True, help="chat JSONL (OpenAI messages or ShareGPT conversations)")
+    parser.add_argument("--output", required=True, help="output JSONL (appended to; completed ids are skipped)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer path (default: the target)")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=2048)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--enable-thinking", choices=["true", "false", "unset"], default="unset")
+    parser.add_argument("--limit", type=int, default=None, help="stop after this many records in total")
+    parser.add_argument("--device", default=None)
+    args = parser.parse_args(argv)
+
+    from transformers import AutoTokenizer
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    target = load_target(args.target, dtype="auto", device=device)
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.target)
+    thinking = {"true": True, "false": False, "unset": None}[args.enable_thinking]
+    n = regenerate(
+        target, tokenizer, args.input, args.output, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, enable_thinking=thinking, limit=args.limit,
+    )  # fmt: skip
+    print(f"regenerated {n} records -> {args.output}")
+    return 0

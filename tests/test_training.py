@@ -1,0 +1,511 @@
+"""Training: data rendering, features, objective, trainer (resume, DDP equivalence, DFlash init, LoRA, frozen parts).
+
+Everything runs on the tiny qwen3_5 target (vocab 128, hidden 32, 2 layers, random native MTP head).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from accelerate.utils import set_seed
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from tokenizers import decoders as tk_decoders
+from transformers import PreTrainedTokenizerFast
+
+from dmtp_hf import DMTPDraftModel
+from dmtp_hf.modeling import load_native_mtp
+from dmtp_hf.testing.tiny_targets import make_tiny_target
+from dmtp_hf.training import (
+    ChatRenderer,
+    DMTPTrainingObjective,
+    FeatureExtractor,
+    OfflineFeatureDataset,
+    StepSchedule,
+    TokenizedDataset,
+    TrainConfig,
+    Trainer,
+    anchor_scores,
+    build_attention_masks,
+    build_draft,
+    collate,
+    extract_features,
+    load_dataset_records,
+    plan_blocks,
+    regenerate,
+    summarize_metrics,
+)
+from dmtp_hf.training.features import freeze, load_target, precompute_features
+from dmtp_hf.training.regenerate import completed_ids
+
+REPO = Path(__file__).resolve().parents[1]
+VOCAB, MASK = 128, 127
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # The tiny models are overhead-bound; one thread avoids oversubscribing the shared CPU.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return make_tiny_target("qwen3_5", tmp_path_factory.mktemp("tiny") / "qwen3_5")
+
+
+@pytest.fixture(scope="module")
+def target(target_dir):
+    return load_target(target_dir)
+
+
+@pytest.fixture(scope="module")
+def mtp_head(target):
+    return freeze(load_native_mtp(target))
+
+
+def random_dataset(num: int, length: int, seed: int = 0, prompt: int = 0) -> TokenizedDataset:
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for _ in range(num):
+        mask = torch.ones(length, dtype=torch.long)
+        mask[:prompt] = 0
+        samples.append({"input_ids": torch.randint(0, VOCAB - 1, (length,), generator=g), "loss_mask": mask})
+    return TokenizedDataset(samples)
+
+
+def make_config(tmp_path, **overrides) -> TrainConfig:
+    values = dict(
+        target_model="unused",
+        anchor_layout="dual",
+        fusion="residual",
+        draft_config=dict(mask_token_id=MASK, target_layer_ids=[0, 1], num_hidden_layers=1, intermediate_size=64),
+        train_data="unused",
+        max_length=32,
+        num_anchors=8,
+        micro_batch_size=4,
+        max_steps=4,
+        learning_rate=3e-3,
+        warmup_ratio=0.1,
+        output_dir=str(tmp_path / "run"),
+        save_every=0,
+        eval_every=0,
+        report_to="none",
+        resume_from=None,
+        log_every=1,
+    )
+    values.update(overrides)
+    return TrainConfig.from_dict(values)
+
+
+def draft_weights(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Data
+
+
+QWEN_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+GENERATION_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] }}<|im_end|>\n{% endgeneration %}"
+    "{% else %}{{ message['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """A ~100-token BPE tokenizer (fits the tiny target's 128-row vocabulary) with a Qwen-style chat template."""
+    tok = Tokenizer(models.BPE(unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = tk_decoders.Metaspace()
+    corpus = ["hello there how are you", "the cat sat on the mat", "user assistant system", "I am fine thanks"] * 10
+    alphabet = list("abcdefghijklmnopqrstuvwxyzIH?!.,\n") + ["▁"]
+    trainer = trainers.BpeTrainer(vocab_size=100, special_tokens=SPECIALS, initial_alphabet=alphabet)
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=QWEN_TEMPLATE
+    )
+    assert len(fast) <= MASK
+    return fast
+
+
+CHAT = [
+    {"role": "system", "content": "be nice"},
+    {"role": "user", "content": "hello there"},
+    {"role": "assistant", "content": "hi how are you"},
+    {"role": "user", "content": "fine"},
+    {"role": "assistant", "content": "the cat sat"},
+]
+
+
+def supervised_text(tokenizer, sample) -> str:
+    ids = sample["input_ids"][sample["loss_mask"].bool()]
+    return tokenizer.decode(ids, skip_special_tokens=False).replace("▁", " ")
+
+
+@pytest.mark.parametrize("thinking", [None, False])
+def test_incremental_mask_covers_assistant_turns_and_end_of_turn_only(tokenizer, thinking):
+    renderer = ChatRenderer(tokenizer, enable_thinking=thinking)
+    assert renderer.mask_strategy == "incremental"
+    sample = renderer(CHAT)
+    text, spans = renderer.assistant_char_spans(CHAT)
+    assert [text[s:e] for s, e in spans] == ["hi how are you<|im_end|>\n", "the cat sat<|im_end|>\n"]
+    got = supervised_text(tokenizer, sample)
+    for word in ["hi", "how", "are", "you", "cat", "sat"]:
+        assert word in got
+    assert got.count("<|im_end|>") == 2  # end of each assistant turn
+    for header in ["<|im_start|>", "assistant", "user", "hello", "fine", "nice"]:
+        assert header not in got
+    # token level: every supervised token lies inside an assistant span, and the header tokens are not supervised
+    ids, mask = sample["input_ids"], sample["loss_mask"].bool()
+    im_start, im_end = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    assert not mask[ids == im_start].any()
+    assert mask[ids == im_end].sum() == 2 and (~mask[ids == im_end]).sum() == 3  # system/user turns unsupervised
+    if thinking is False:  # the template's empty think block belongs to the prompt header, not the response
+        assert "<think>" not in got
+
+
+def test_generation_template_mask_matches_incremental(tokenizer):
+    gen_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer.backend_tokenizer,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=GENERATION_TEMPLATE,
+    )
+    generation = ChatRenderer(gen_tok)
+    assert generation.mask_strategy == "generation"
+    incremental = ChatRenderer(gen_tok, mask_strategy="incremental")
+    a, b = generation(CHAT), incremental(CHAT)
+    assert torch.equal(a["input_ids"], b["input_ids"])
+    assert torch.equal(a["loss_mask"], b["loss_mask"])
+    assert a["loss_mask"].sum() > 0
+
+
+def test_jsonl_formats_and_errors(tmp_path, tokenizer):
+    path = tmp_path / "data.jsonl"
+    sharegpt = {"conversations": [{"from": "human", "value": "hello"}, {"from": "gpt", "value": "the cat sat"}]}
+    openai = {"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "the cat sat"}]}
+    tokenized = {"input_ids": [1, 2, 3, 4], "loss_mask": [0, 1, 1, 1]}
+    path.write_text("\n".join(json.dumps(r) for r in [sharegpt, openai, tokenized]) + "\n")
+    data = load_dataset_records(path, tokenizer=tokenizer, max_length=64)
+    assert len(data) == 3
+    assert torch.equal(data[0]["input_ids"], data[1]["input_ids"])  # same conversation, both formats
+    assert torch.equal(data[0]["loss_mask"], data[1]["loss_mask"])
+    assert data[2]["input_ids"].tolist() == [1, 2, 3, 4]
+
+    path.write_text(json.dumps(openai) + "\n{not json\n")
+    with pytest.raises(ValueError, match=r"data.jsonl:2: invalid JSON"):
+        load_dataset_records(path, tokenizer=tokenizer)
+    path.write_text(json.dumps(openai) + "\n" + json.dumps({"messages": [{"role": "robot", "content": "x"}]}) + "\n")
+    with pytest.raises(ValueError, match=r"data.jsonl:2: turn 0 has unknown role 'robot'"):
+        load_dataset_records(path, tokenizer=tokenizer)
+    path.write_text(json.dumps({"text": "x"}) + "\n")
+    with pytest.raises(ValueError, match=r"data.jsonl:1: no 'messages' or 'conversations'"):
+        load_dataset_records(path, tokenizer=tokenizer)
+
+
+def test_regenerate_is_batched_greedy_and_resumable(tmp_path, tokenizer, target):
+    source = tmp_path / "in.jsonl"
+    records = [
+        {"id": "a", "messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "old"}]},
+        {"id": "b", "conversations": [{"from": "human", "value": "the cat"}]},
+        {"id": "c", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"},
+                                 {"role": "user", "content": "how are you"}, {"role": "assistant", "content": "y"}]},
+    ]  # fmt: skip
+    source.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    out = tmp_path / "out.jsonl"
+    assert regenerate(target, tokenizer, source, out, batch_size=2, max_new_tokens=4, limit=2, progress=False) == 2
+    with open(out, "a") as f:
+        f.write('{"id": "c", "messa')  # a killed run leaves a partial line
+    assert completed_ids(out) == {"a", "b"}
+    assert regenerate(target, tokenizer, source, out, batch_size=2, max_new_tokens=4, progress=False) == 1
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["a", "b", "c"]
+    assert [m["role"] for m in rows[2]["messages"]] == ["user", "assistant", "user", "assistant"]
+    assert rows[2]["messages"][1]["content"] != "x" and rows[1]["messages"][-1]["role"] == "assistant"
+    # greedy: the first assistant turn of 'c' equals an unbatched greedy generation from the target
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    ref = target.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    assert rows[2]["messages"][1]["content"] == tokenizer.decode(ref[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Objective
+
+
+def tiny_draft(target, layout="dual", fusion="residual", seed=0, **kw) -> DMTPDraftModel:
+    config = make_config(Path("/tmp"), anchor_layout=layout, fusion=fusion)
+    torch.manual_seed(seed)
+    draft = build_draft(config, target)
+    if draft.fusion is not None:
+        with torch.no_grad():
+            for p in draft.fusion.parameters():
+                p.add_(torch.randn_like(p) * 0.05)  # non-zero fusion so that fusion bugs change the loss
+    return draft
+
+
+@pytest.mark.parametrize("layout", ["dflash", "single", "dual"])
+def test_block_plan_labels_weights_and_anchor_validity(layout, target):
+    config = tiny_draft(target, layout, "none" if layout == "dflash" else "residual").config
+    ids = torch.arange(20)[None].repeat(2, 1) + 100  # token = 100 + position
+    loss_mask = torch.ones_like(ids)
+    loss_mask[0, :6] = 0  # prompt
+    loss_mask[1, 12:] = 0  # padding
+    plan = plan_blocks(ids, loss_mask, anchor_scores(0, 0, 2, 20), config, num_anchors=50, loss_decay_gamma=4.0)
+    anchors, keep = plan.anchors, plan.keep
+    kept0, kept1 = anchors[0][keep[0]], anchors[1][keep[1]]
+    low = 0 if layout == "dflash" else 1
+    assert kept0.tolist() == list(range(6, 19))  # loss_mask on a and a+1, a <= S-2
+    assert kept1.tolist() == list(range(low, 11))
+    first = config.first_predicted_slot + config.block_offset  # offset of the first predicted slot from a
+    expected = anchors[..., None] + first + torch.arange(plan.labels.shape[-1])
+    in_range = expected < 20
+    assert torch.equal(plan.labels[in_range], (expected + 100)[in_range])  # label = token at the slot's position
+    decay = torch.exp(-torch.arange(plan.labels.shape[-1]) / 4.0)
+    assert torch.allclose(plan.weights[0, 0], decay)  # first kept block: every slot valid, weight exp(-(j-1)/g)
+    assert plan.labels.shape[-1] == (7 if layout == "dflash" else 6)
+    assert not plan.weights[~keep].any()  # padding blocks carry no weight
+    assert not plan.valid[~in_range].any()
+
+
+def test_masks_strict_context_and_flex_equals_sdpa(target, mtp_head):
+    data = random_dataset(2, 24)
+    batch = collate([data[0], data[1]])
+    features = FeatureExtractor(target, [0, 1], mtp_head)(batch["input_ids"], batch["attention_mask"])
+    draft = tiny_draft(target)
+    plan = plan_blocks(batch["input_ids"], batch["loss_mask"], anchor_scores(0, 1, 2, 24), draft.config, 6, 4.0)
+    masks = build_attention_masks(draft, plan.anchors, plan.keep, 24)["full_attention"]  # [B, 1, Q, K]
+    a = int(plan.anchors[0, 0])
+    assert masks[0, 0, 0, a - 1] and not masks[0, 0, 0, a]  # strict kv < anchor
+    assert masks[0, 0, 0, 24 : 24 + 8].all() and not masks[0, 0, 0, 24 + 8 :].any()  # own block only
+    objective = DMTPTrainingObjective(draft)
+    losses = {}
+    for attn in ["sdpa", "flex_attention"]:  # flex has no CPU backward in torch 2.13: compare forwards
+        draft.set_attn_implementation(attn)
+        with torch.no_grad():
+            losses[attn] = objective(batch["input_ids"], plan=plan, **features).loss
+    torch.testing.assert_close(losses["flex_attention"], losses["sdpa"], rtol=1e-5, atol=1e-5)
+    # the BlockMask evaluates the same rule: densified, it equals the SDPA mask
+    block_mask = build_attention_masks(draft, plan.anchors, plan.keep, 24)["full_attention"]
+    dense = block_mask.to_dense().bool()  # [B, 1, ceil(Q/128), ceil(K/128)] of 128x128 blocks: all partial here
+    assert dense.any()
+    q_len, kv_len = masks.shape[-2:]
+    assert block_mask.mask_mod is not None
+    b, q, k = torch.meshgrid(torch.arange(2), torch.arange(q_len), torch.arange(kv_len), indexing="ij")
+    evaluated = block_mask.mask_mod(b, torch.zeros_like(b), q, k)
+    assert torch.equal(evaluated, masks[:, 0])
+
+
+def test_online_and_offline_features_give_the_same_loss(tmp_path, target, mtp_head):
+    data = random_dataset(5, 24)
+    data.samples[1] = {k: v[:17] for k, v in data.samples[1].items()}  # ragged lengths: padding in batches
+    extractor = FeatureExtractor(target, [0, 1], mtp_head)
+    extract_features(extractor, data, tmp_path / "feats", batch_size=2, shard_size=2, progress=False)
+    offline = OfflineFeatureDataset(tmp_path / "feats")
+    assert len(offline) == 5 and len(offline.index["shards"]) == 3
+    draft = tiny_draft(target)
+    objective = DMTPTrainingObjective(draft)
+    rows = [0, 1, 3]
+    online_batch = collate([data[i] for i in rows])
+    offline_batch = collate([offline[i] for i in rows])
+    assert torch.equal(online_batch["input_ids"], offline_batch["input_ids"])
+    online_features = extractor(online_batch["input_ids"], online_batch["attention_mask"])
+    plan = plan_blocks(
+        online_batch["input_ids"], online_batch["loss_mask"], anchor_scores(3, 0, 3, 24), draft.config, 8, 4.0
+    )
+    with torch.no_grad():
+        online = objective(online_batch["input_ids"], plan=plan, **online_features)
+        offline_out = objective(
+            offline_batch["input_ids"],
+            plan=plan,
+            **{k: offline_batch[k] for k in ("context", "mtp_hidden", "mtp_token")},
+        )
+    torch.testing.assert_close(offline_out.loss, online.loss, rtol=1e-5, atol=1e-6)
+    assert summarize_metrics([online]) == pytest.approx(summarize_metrics([offline_out]), rel=1e-5)
+    # the trainer consumes the feature directory directly
+    trainer = Trainer(
+        make_config(tmp_path, max_steps=1, train_data=str(tmp_path / "feats"), micro_batch_size=2), target=target
+    )
+    assert trainer.train()[0]["loss"] > 0
+
+
+# ----------------------------------------------------------------------------------------------------
+# Trainer
+
+
+@pytest.mark.parametrize("layout", ["dflash", "dual"])
+def test_training_drives_loss_down_and_acceptance_up(tmp_path, target, mtp_head, layout):
+    """Memorise 8 random sequences: loss falls and the simulated acceptance rises; frozen parts stay frozen."""
+    data = precompute_features(FeatureExtractor(target, [0, 1], mtp_head), random_dataset(8, 32))
+    frozen_before = {
+        n: p.detach().clone() for n, p in list(target.named_parameters()) + list(mtp_head.named_parameters())
+    }
+    config = make_config(
+        tmp_path, anchor_layout=layout, max_steps=150, micro_batch_size=8, num_anchors=16, learning_rate=1e-2,
+        warmup_ratio=0.05,
+    )  # fmt: skip
+    trainer = Trainer(config, target=target, train_dataset=data, eval_dataset=data)
+    start = trainer.evaluate()
+    history = trainer.train()
+    end = trainer.evaluate()
+    assert end["loss"] < 0.5 * start["loss"], (start, end)
+    assert end["accept_len_tf"] > start["accept_len_tf"] + 3.0, (start, end)
+    assert end["acc_1"] > 0.6
+    assert history[-1]["loss"] < history[0]["loss"]
+    # frozen: no gradient, bit-identical weights (target incl. embedding and LM head, MTP head)
+    for name, p in list(trainer.frozen_parameters().items()):
+        assert not p.requires_grad and p.grad is None, name
+    after = dict(list(target.named_parameters()) + list(mtp_head.named_parameters()))
+    assert all(torch.equal(after[n], v) for n, v in frozen_before.items())
+    # the exported draft loads as a plain DMTPDraftModel
+    loaded = DMTPDraftModel.from_pretrained(Path(config.output_dir) / "final", target=target)
+    assert all(torch.equal(v, trainer.draft.state_dict()[k]) for k, v in loaded.state_dict().items())
+
+
+def test_resume_after_kill_gives_the_same_weights(tmp_path, target):
+    data = random_dataset(12, 24)
+
+    def run(out, kill_at=None):
+        config = make_config(tmp_path, output_dir=str(tmp_path / out), max_steps=6, save_every=2, resume_from="auto")
+
+        def killer(trainer, step, metrics):
+            if step == kill_at:
+                raise KeyboardInterrupt
+
+        trainer = Trainer(config, target=target, train_dataset=data)
+        trainer.train(callbacks=[killer])
+        return trainer
+
+    uninterrupted = draft_weights(run("straight").draft)
+    with pytest.raises(KeyboardInterrupt):
+        run("killed", kill_at=3)  # checkpoint at step 2 written, step 3 lost
+    assert sorted(p.name for p in (tmp_path / "killed" / "checkpoints").iterdir()) == ["step-00000002"]
+    resumed = run("killed")
+    assert resumed.history[0]["step"] == 3  # resumed at step 2
+    weights = draft_weights(resumed.draft)
+    assert all(torch.equal(weights[k], v) for k, v in uninterrupted.items())
+
+
+def test_dflash_checkpoint_with_zero_fusion_starts_at_dflash_with_t1_loss(tmp_path, target, mtp_head):
+    dflash = tiny_draft(target, "dflash", "none", seed=3)
+    dflash.save_dflash(tmp_path / "dflash")
+    dmtp = DMTPDraftModel.from_pretrained(tmp_path / "dflash", anchor_layout="dual", fusion="residual").bind(target)
+    plain = DMTPDraftModel.from_pretrained(tmp_path / "dflash", anchor_layout="dual", fusion="none").bind(target)
+    assert dmtp.fusion.is_noop()
+    data = random_dataset(4, 24)
+    order, _ = StepSchedule(4, 4, 1, seed=42).micro_batches(0)[0]  # the trainer's first batch and anchors
+    batch = collate([data[i] for i in order])
+    features = FeatureExtractor(target, [0, 1], mtp_head)(batch["input_ids"], batch["attention_mask"])
+    plan = plan_blocks(batch["input_ids"], batch["loss_mask"], anchor_scores(42, 0, 4, 32), dmtp.config, 8, 4.0)
+    with torch.no_grad():
+        fused = DMTPTrainingObjective(dmtp)(batch["input_ids"], plan=plan, **features).loss
+        with_t1 = DMTPTrainingObjective(plain)(batch["input_ids"], plan=plan, **features).loss
+    assert torch.equal(fused, with_t1)
+
+    # Continued fine-tuning from the DFlash checkpoint: the first step's loss is exactly that loss (same anchors),
+    # then the residual fusion learns (it receives gradient through the zero-initialised projection).
+    config = make_config(tmp_path, init_from=str(tmp_path / "dflash"), max_steps=3, micro_batch_size=4, max_length=32)
+    trainer = Trainer(config, target=target, train_dataset=data)
+    history = trainer.train()
+    assert history[0]["loss"] == pytest.approx(float(with_t1), rel=1e-6, abs=0)
+    assert not trainer.draft.fusion.is_noop()
+
+
+def test_lora_trains_and_merged_checkpoint_loads_as_plain_draft(tmp_path, target):
+    tiny_draft(target, "dflash", "none", seed=4).save_dflash(tmp_path / "dflash")
+    data = random_dataset(8, 24)
+    config = make_config(tmp_path, init_from=str(tmp_path / "dflash"), lora=True, lora_r=4, max_steps=3)
+    trainer = Trainer(config, target=target, train_dataset=data)
+    model = trainer.accelerator.unwrap_model(trainer.objective).model
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert any("lora_A" in n for n in trainable) and any("fusion" in n for n in trainable)
+    assert not any(n.endswith("fc.weight") or "base_layer" in n for n in trainable)
+    trainer.train()
+    merged = DMTPDraftModel.from_pretrained(Path(config.output_dir) / "final", target=target)
+    assert type(merged) is DMTPDraftModel and not merged.fusion.is_noop()
+    batch = collate([data[i] for i in range(4)])
+    features = trainer.extractor(batch["input_ids"], batch["attention_mask"])
+    plan = plan_blocks(batch["input_ids"], batch["loss_mask"], anchor_scores(1, 0, 4, 32), merged.config, 8, 4.0)
+    with torch.no_grad():
+        lora_loss = DMTPTrainingObjective(model)(batch["input_ids"], plan=plan, **features).loss
+        merged_loss = DMTPTrainingObjective(merged)(batch["input_ids"], plan=plan, **features).loss
+    torch.testing.assert_close(merged_loss, lora_loss, rtol=1e-5, atol=1e-6)
+
+
+def test_accelerate_launch_two_processes_matches_one(tmp_path, target_dir):
+    data = random_dataset(8, 24)
+    data_file = tmp_path / "train.jsonl"
+    data_file.write_text("\n".join(json.dumps({k: v.tolist() for k, v in s.items()}) for s in data.samples) + "\n")
+    values = make_config(
+        tmp_path, target_model=str(target_dir), train_data=str(data_file), micro_batch_size=2, max_steps=3,
+        output_dir=str(tmp_path / "ddp"),
+    ).to_dict()  # fmt: skip
+    config_file = tmp_path / "ddp.yaml"
+    config_file.write_text(yaml.safe_dump(values))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": ""}
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        str(REPO / "scripts" / "finetune.py"), "--config", str(config_file),
+    ]  # fmt: skip
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "trained 3 steps on 2 process(es)" in result.stdout  # really distributed (gloo), printed once
+
+    # one process, same global batch (4 = 2 processes x 2)
+    single = make_config(
+        tmp_path, target_model=str(target_dir), train_data=str(data_file), micro_batch_size=4, max_steps=3,
+        output_dir=str(tmp_path / "single"),
+    )  # fmt: skip
+    Trainer(single).train()
+    two = DMTPDraftModel.from_pretrained(tmp_path / "ddp" / "final").state_dict()
+    one = DMTPDraftModel.from_pretrained(tmp_path / "single" / "final").state_dict()
+    for key, value in one.items():
+        torch.testing.assert_close(two[key], value, rtol=1e-5, atol=1e-6)
+    set_seed(single.seed)  # what the trainer does before building the draft
+    initial = build_draft(single, load_target(target_dir)).state_dict()
+    assert not torch.equal(initial["fc.weight"], one["fc.weight"])  # the runs did train
+
+
+def test_gradient_accumulation_and_checkpointing_match_one_big_batch(tmp_path, target):
+    data = random_dataset(8, 24)
+    weights = {}
+    for name, overrides in {
+        "big": dict(micro_batch_size=4),
+        "accumulated": dict(micro_batch_size=2, gradient_accumulation_steps=2, gradient_checkpointing=True),
+    }.items():
+        config = make_config(tmp_path, output_dir=str(tmp_path / name), max_steps=3, **overrides)
+        trainer = Trainer(config, target=target, train_dataset=data)
+        trainer.train()
+        weights[name] = draft_weights(trainer.draft)
+    for key, value in weights["big"].items():
+        torch.testing.assert_close(weights["accumulated"][key], value, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["tiny-dmtp", "tiny-dflash"])
+def test_example_configs_list_every_field(name):
+    import dataclasses
+
+    path = REPO / "configs" / f"{name}.yaml"
+    config = TrainConfig.from_yaml(path)
+    assert set(yaml.safe_load(path.read_text())) == {f.name for f in dataclasses.fields(TrainConfig)}
+    assert config.anchor_layout == ("dual" if name == "tiny-dmtp" else "dflash")
+    with pytest.raises(ValueError, match="Unknown config key"):
+        TrainConfig.from_yaml(path, ["learning_rat=0.1"])
