@@ -24,6 +24,7 @@ from transformers.cache_utils import DynamicCache
 
 from dmtp_hf import DMTPConfig, DMTPDraftModel
 from dmtp_hf.assistant import DFlashDrafter, DMTPDrafter, MTPDrafter, Proposal, SpecStats, speculative_decode
+from dmtp_hf.assistant.drafters import DrafterWrapper
 
 STAGE_ROWS = [
     ("mtp", "MTP advance (+ chained MTP steps)"),
@@ -34,26 +35,12 @@ STAGE_ROWS = [
 ]
 
 
-class AlwaysRejected:
+class AlwaysRejected(DrafterWrapper):
     """Wraps a drafter so that its first candidate is never the target's token: every round accepts 0."""
 
     def __init__(self, inner, reference: torch.Tensor):
-        self.inner, self.reference = inner, reference
-        for name in ("name", "num_candidates", "needs_features", "needs_mtp_hidden"):
-            setattr(self, name, getattr(inner, name))
-        self.hidden_input = getattr(inner, "hidden_input", "post_norm")
-
-    def target_layer_ids(self):
-        """Delegated."""
-        return self.inner.target_layer_ids()
-
-    def start(self, step):
-        """Delegated."""
-        self.inner.start(step)
-
-    def advance(self, step, stats=None):
-        """Delegated."""
-        self.inner.advance(step, stats)
+        super().__init__(inner)
+        self.reference = reference
 
     def propose(self, prefix, anchor_positions, select, stats):
         """The inner proposal with its first candidate made wrong."""

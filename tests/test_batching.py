@@ -8,32 +8,22 @@ import torch
 from test_engine import draft_for, targets  # noqa: F401  (module-scoped fixture)
 
 from dmtp_hf.assistant import DFlashDrafter, DMTPDrafter, Drafter, MTPDrafter, Proposal, SpecStats, speculative_decode
+from dmtp_hf.assistant.drafters import DrafterWrapper
 
 MAX_NEW = 16
 
 
-class BatchOracle(Drafter):
+class BatchOracle(DrafterWrapper):
     """Overwrites a random-length prefix of each row's candidates with that row's true greedy continuation, so
     rows accept different numbers of candidates in the same round (ragged acceptance)."""
 
     def __init__(self, inner: Drafter, references: list[torch.Tensor], seed: int = 0):
-        self.inner, self.rng = inner, random.Random(seed)
-        self.num_candidates, self.name = inner.num_candidates, inner.name
-        self.needs_features, self.needs_mtp_hidden = inner.needs_features, inner.needs_mtp_hidden
-        self.hidden_input = getattr(inner, "hidden_input", "post_norm")
+        super().__init__(inner)
+        self.rng = random.Random(seed)
         longest = max(r.shape[0] for r in references)
         self.reference = torch.full((len(references), longest + 16), -1, dtype=torch.long)
         for row, ref in enumerate(references):
             self.reference[row, : ref.shape[0]] = ref
-
-    def target_layer_ids(self):
-        return self.inner.target_layer_ids()
-
-    def start(self, step):
-        self.inner.start(step)
-
-    def advance(self, step, stats=None):
-        self.inner.advance(step, stats)
 
     def propose(self, prefix, anchor_positions, select, stats):
         proposal = self.inner.propose(prefix, anchor_positions, select, stats)

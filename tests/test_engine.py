@@ -9,7 +9,7 @@ from transformers.cache_utils import DynamicCache, LinearAttentionCacheLayerMixi
 
 from dmtp_hf import DMTPConfig, DMTPDraftModel
 from dmtp_hf.assistant import SpecStats, speculative_decode
-from dmtp_hf.assistant.drafters import DFlashDrafter, DMTPDrafter, Drafter, MTPDrafter, Proposal
+from dmtp_hf.assistant.drafters import DFlashDrafter, DMTPDrafter, Drafter, DrafterWrapper, MTPDrafter, Proposal
 from dmtp_hf.assistant.generate import generate as dmtp_generate
 from dmtp_hf.testing.tiny_targets import FAMILIES, load_tiny_target, make_tiny_target
 
@@ -48,25 +48,14 @@ def draft_for(target, **overrides) -> DMTPDraftModel:
     return draft.bind(target)
 
 
-class OracleMix(Drafter):
+class OracleMix(DrafterWrapper):
     """Wraps a real drafter and overwrites a random-length prefix of its candidates with the target's true greedy
     continuation, so rounds accept every possible number of candidates and the inner drafter's state advancement
     (MTP cache, DFlash context) is exercised after partial acceptance."""
 
     def __init__(self, inner: Drafter, reference: torch.Tensor, seed: int = 0):
-        self.inner, self.reference, self.rng = inner, reference, random.Random(seed)
-        self.num_candidates, self.name = inner.num_candidates, inner.name
-        self.needs_features, self.needs_mtp_hidden = inner.needs_features, inner.needs_mtp_hidden
-        self.hidden_input = getattr(inner, "hidden_input", "post_norm")
-
-    def target_layer_ids(self):
-        return self.inner.target_layer_ids()
-
-    def start(self, step):
-        self.inner.start(step)
-
-    def advance(self, step, stats=None):
-        self.inner.advance(step, stats)
+        super().__init__(inner)
+        self.reference, self.rng = reference, random.Random(seed)
 
     def propose(self, prefix, anchor_positions, select, stats):
         proposal = self.inner.propose(prefix, anchor_positions, select, stats)

@@ -8,7 +8,7 @@ layout (``mtp.*`` tensors inside ``model.safetensors``) with its tokenizer, is a
 Usage::
 
     nohup nice -n 19 .venv/bin/python scripts/reproduce/pretrain_target.py --out outputs/target \\
-        > outputs/target/train.log 2>&1 &
+        >> outputs/target/train.log 2>&1 &
 """
 
 from __future__ import annotations

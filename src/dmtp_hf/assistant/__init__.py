@@ -2,7 +2,16 @@
 
 from .candidate_generator import DMTPCandidateGenerator, generate_with_transformers_loop
 from .decoding import speculative_decode
-from .drafters import DFlashDrafter, DMTPDrafter, Drafter, MTPDrafter, Proposal, TargetStep, TokenSelector
+from .drafters import (
+    DFlashDrafter,
+    DMTPDrafter,
+    Drafter,
+    DrafterWrapper,
+    MTPDrafter,
+    Proposal,
+    TargetStep,
+    TokenSelector,
+)
 from .generate import DMTPGenerateOutput, as_drafter, dmtp_custom_generate, generate, install_generate_router
 from .stats import SpecStats
 from .verification import VERIFY_MODES, verify
@@ -13,6 +22,7 @@ __all__ = [
     "DMTPDrafter",
     "DMTPGenerateOutput",
     "Drafter",
+    "DrafterWrapper",
     "MTPDrafter",
     "Proposal",
     "SpecStats",

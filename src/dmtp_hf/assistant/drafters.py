@@ -112,6 +112,38 @@ class Drafter:
         raise NotImplementedError
 
 
+class DrafterWrapper(Drafter):
+    """Base for drafters that adjust another drafter's proposals (e.g. constrain or corrupt them for tests and
+    benchmarks): state handling (start/advance) and target requirements are forwarded to ``inner``; subclasses
+    override :meth:`propose`."""
+
+    def __init__(self, inner: Drafter) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.num_candidates = inner.num_candidates
+        self.needs_features = inner.needs_features
+        self.needs_mtp_hidden = inner.needs_mtp_hidden
+        self.hidden_input = getattr(inner, "hidden_input", "post_norm")
+
+    def target_layer_ids(self) -> list[int]:
+        """The inner drafter's feature layers."""
+        return self.inner.target_layer_ids()
+
+    def start(self, step: TargetStep) -> None:
+        """Forwarded to the inner drafter."""
+        self.inner.start(step)
+
+    def advance(self, step: TargetStep, stats: SpecStats | None = None) -> None:
+        """Forwarded to the inner drafter."""
+        self.inner.advance(step, stats)
+
+    def propose(
+        self, prefix: torch.Tensor, anchor_positions: torch.Tensor, select: TokenSelector, stats: SpecStats
+    ) -> Proposal:
+        """The inner drafter's proposal (override to change it)."""
+        return self.inner.propose(prefix, anchor_positions, select, stats)
+
+
 class _DFlashContext:
     """The DFlash draft's context: cached context K/V plus target features not yet fed to the draft.
 
