@@ -384,3 +384,39 @@ def test_transformers_loop_refuses_stateful_targets(targets):
     target = targets["qwen3_5"]
     with pytest.raises(ValueError, match="stateful"):
         generate_with_transformers_loop(target, torch.tensor([[1, 2]]), strategies(target)["dmtp"], max_new_tokens=4)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Static caches: in-place rollback (no reallocation), identical outputs
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_5"])
+def test_static_cache_path_matches_dynamic_path(targets, family):
+    from transformers import StaticCache
+
+    target = targets[family]
+    prompt = torch.tensor([[5, 17, 42, 9, 77, 3, 64]])
+    reference = greedy_reference(target, prompt)
+    drafter = strategies(target)["dmtp"]
+    dynamic, _ = speculative_decode(
+        target, prompt, OracleMix(drafter, reference, seed=4), max_length=reference.shape[1]
+    )
+    cache = StaticCache(config=target.config, max_cache_len=reference.shape[1] + 8)
+    static, stats = speculative_decode(
+        target, prompt, OracleMix(drafter, reference, seed=4), max_length=reference.shape[1], cache=cache
+    )
+    assert torch.equal(static, dynamic) and torch.equal(static, reference)
+    assert sum(1 for count in stats.hist if count) >= 2
+    # through generate(cache_implementation="static"): the cache is resized for the verify's extra slots
+    out = target.generate(
+        prompt,
+        assistant_model=draft_for(target),
+        do_sample=False,
+        max_new_tokens=MAX_NEW,
+        cache_implementation="static",
+    )
+    assert torch.equal(out, reference)
+    with pytest.raises(ValueError, match="static cache holds"):
+        speculative_decode(
+            target, prompt, drafter, max_length=40, cache=StaticCache(config=target.config, max_cache_len=20)
+        )

@@ -29,7 +29,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from ..modeling.native_mtp.hidden import TargetHiddenExtractor
 from .drafters import Drafter, TargetStep, TokenSelector
 from .stats import SpecStats
-from .target_state import TargetCacheState
+from .target_state import TargetCacheState, static_capacity
 from .verification import VERIFY_MODES, process_block, process_logits, select_tokens, verify
 
 
@@ -146,6 +146,16 @@ def speculative_decode(
     draft_sampling = (mode == "rejection") if draft_sampling is None else draft_sampling
     select = TokenSelector(logits_processor, draft_sampling)
     cache = cache if cache is not None else DynamicCache(config=target.config)
+    capacity = static_capacity(cache)
+    if capacity is not None:
+        if batch > 1:
+            raise NotImplementedError("Static caches support batch size 1 (ragged rows grow the cache unboundedly).")
+        if capacity < max_length + drafter.num_candidates + 1:
+            raise ValueError(
+                f"The static cache holds {capacity} tokens, too few: speculative decoding up to "
+                f"max_length={max_length} with {drafter.num_candidates} candidates needs "
+                f"{max_length + drafter.num_candidates + 1} slots."
+            )
     stats = stats if stats is not None else SpecStats(drafter.num_candidates, drafter.name)
     requests = [stats.new_request() for _ in range(batch)]
     sync = device if profile else None

@@ -16,11 +16,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers.cache_utils import StaticCache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .decoding import speculative_decode
 from .drafters import DFlashDrafter, DMTPDrafter, Drafter, MTPDrafter
 from .stats import SpecStats
+from .target_state import static_capacity
 
 
 @dataclass
@@ -76,6 +78,11 @@ def dmtp_custom_generate(
     if dmtp_drafter is None:
         raise ValueError("dmtp_custom_generate needs `dmtp_drafter=` (see dmtp_hf.as_drafter).")
     cache = model_kwargs.get("cache") or model_kwargs.get("past_key_values")
+    capacity = static_capacity(cache) if cache is not None else None
+    needed = generation_config.max_length + dmtp_drafter.num_candidates + 1
+    if capacity is not None and capacity < needed:
+        # Transformers sized it for `max_length - 1`; a verify writes K + 1 slots past the committed tokens.
+        cache = StaticCache(config=model.config, max_cache_len=needed)
     sequences, stats = speculative_decode(
         model,
         input_ids,

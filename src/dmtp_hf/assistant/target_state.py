@@ -81,6 +81,12 @@ class GatedDeltaStepRecorder:
 ROLLBACKS = ("per_step", "replay")
 
 
+def static_capacity(cache: Cache) -> int | None:
+    """Slots of the smallest fixed-size attention layer (``None`` for caches that grow)."""
+    sizes = [layer.max_cache_len for layer in cache.layers if getattr(layer, "max_cache_len", None)]
+    return min(sizes) if sizes else None
+
+
 class TargetCacheState:
     """Bookkeeping of the target cache for ragged speculative decoding (see the module docstring).
 
