@@ -420,3 +420,31 @@ def test_static_cache_path_matches_dynamic_path(targets, family):
         speculative_decode(
             target, prompt, drafter, max_length=40, cache=StaticCache(config=target.config, max_cache_len=20)
         )
+
+
+def test_sliding_window_target_rolls_back():
+    """A sliding-window target (window smaller than the output) keeps exactly its window after partial accepts."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_sliding_window=True,
+        sliding_window=6,
+        max_window_layers=0,
+        layer_types=["sliding_attention"] * 2,
+    )
+    target = Qwen2ForCausalLM(config).eval()
+    draft = draft_for(target, anchor_layout="dflash", target_layer_ids=[0])
+    prompt = torch.arange(1, 11)[None]
+    reference = greedy_reference(target, prompt, max_new_tokens=30)
+    out, stats = speculative_decode(
+        target, prompt, OracleMix(DFlashDrafter(draft), reference, seed=3), max_length=reference.shape[1]
+    )
+    assert torch.equal(out, reference)
+    assert sum(1 for count in stats.hist if count) >= 3

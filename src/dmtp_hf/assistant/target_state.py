@@ -18,10 +18,28 @@ import contextlib
 import sys
 
 import torch
-from transformers.cache_utils import Cache, LinearAttentionCacheLayerMixin
+from transformers.cache_utils import (
+    Cache,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionCacheLayerMixin,
+    StaticLayer,
+)
 
 from ..modeling.modeling_dmtp import attention_mask_for_implementation
-from .rollback import _crop_attention
+
+
+def crop_attention(layer, tokens_to_remove: int) -> None:
+    """Crop the attention part of a cache layer (hybrid layers hold both attention KV and linear states).
+
+    Static layers only move their write index back (in place, no reallocation). Sliding-window layers are always
+    cropped, even by 0: that trims their recorded past back to the window.
+    """
+    for attention_class in (DynamicSlidingWindowLayer, DynamicLayer, StaticLayer):
+        if isinstance(layer, attention_class):
+            if tokens_to_remove or attention_class is DynamicSlidingWindowLayer:
+                attention_class.crop(layer, -tokens_to_remove)
+            return
 
 
 class GatedDeltaStepRecorder:
@@ -113,6 +131,11 @@ class TargetCacheState:
             for layer in cache.layers
             if not isinstance(layer, LinearAttentionCacheLayerMixin) or hasattr(layer, "keys")
         ]
+        sliding = [layer for layer in cache.layers if isinstance(layer, DynamicSlidingWindowLayer)]
+        if sliding and valid.shape[0] > 1:
+            raise NotImplementedError("Sliding-window targets support batch size 1 (windows count cache slots).")
+        for layer in sliding:  # keep verified-but-rejected tokens until the crop in `commit`
+            DynamicSlidingWindowLayer.activate_past_recording(layer)
         self.recorder = None
         self._snapshot: list | None = None
         if self.linear_layers and rollback == "per_step":
@@ -184,7 +207,7 @@ class TargetCacheState:
                     for i, state in recurrent.items():
                         layer.recurrent_states[i].copy_(state)
                 for layer in self.attention_layers:
-                    _crop_attention(layer, num_processed)
+                    crop_attention(layer, num_processed)
                 replay(num_kept)
             self._snapshot = None
             kept_slots = torch.ones(1, num_kept, dtype=torch.bool, device=self.valid.device)
@@ -197,9 +220,9 @@ class TargetCacheState:
             self._commit_linear(kept)
         # Slots rejected by every row are cropped: the cache then holds exactly the committed history at B = 1.
         trailing = int(num_processed - kept.max())
+        for layer in self.attention_layers:
+            crop_attention(layer, trailing)  # a no-op at 0 except for sliding windows, which it trims
         if trailing > 0:
-            for layer in self.attention_layers:
-                _crop_attention(layer, trailing)
             self.valid = self.valid[:, :-trailing]
 
     def _commit_linear(self, kept: torch.Tensor) -> None:
