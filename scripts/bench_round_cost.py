@@ -82,11 +82,18 @@ def plain_step_seconds(target, prompt: torch.Tensor, steps: int) -> float:
         for _ in range(3):  # warm-up
             out = target(token, cache=cache, use_cache=True)
             token = out.logits[:, -1:].argmax(-1)
+        _sync(prompt.device)
         start = time.perf_counter()
         for _ in range(steps):
             out = target(token, cache=cache, use_cache=True)
             token = out.logits[:, -1:].argmax(-1)
+        _sync(prompt.device)
         return (time.perf_counter() - start) / steps
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,9 +108,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-length", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5, help="interleaved repetitions (medians are reported)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16")
     parser.add_argument("--output", type=Path, default=None, help="JSON output path")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
+    device = torch.device(args.device)
+    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32}.get(args.dtype)
+    dtype = dtype or getattr(torch, args.dtype)
+    profile = device.type == "cuda"  # synchronise around stages so CUDA stage times are exact
 
     with tempfile.TemporaryDirectory() as tmp:
         if args.target is None:
@@ -112,9 +125,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             target = AutoModelForCausalLM.from_pretrained(args.target).eval()
             source = str(args.target)
+        target = target.to(device=device, dtype=dtype)
+        source += f", {device.type} {str(dtype).removeprefix('torch.')}"
         text = target.config.get_text_config(decoder=True)
         if args.draft is not None:
-            draft = DMTPDraftModel.from_pretrained(args.draft, target=target)
+            draft = DMTPDraftModel.from_pretrained(args.draft).to(device=device, dtype=dtype).bind(target)
         else:
             hidden = text.hidden_size
             draft = DMTPDraftModel(
@@ -130,15 +145,15 @@ def main(argv: list[str] | None = None) -> int:
                     mask_token_id=text.vocab_size - 1,
                 )
             ).eval()
-            draft.bind(target)
+            draft = draft.to(device=device, dtype=dtype).bind(target)
         # The same backbone run as plain DFlash ([A, MASK x 7]), so the comparison isolates the drafting strategy.
         dflash_config = DMTPConfig.from_dict(draft.config.to_dict())
         dflash_config.anchor_layout = "dflash"
-        dflash = DMTPDraftModel(dflash_config).eval()
+        dflash = DMTPDraftModel(dflash_config).eval().to(device=device, dtype=dtype)
         dflash.load_state_dict({k: v for k, v in draft.state_dict().items() if not k.startswith("fusion.")})
         dflash.bind(target, native_mtp=draft.native_mtp)
 
-        prompt = torch.randint(0, text.vocab_size - 1, (1, args.prompt_length))
+        prompt = torch.randint(0, text.vocab_size - 1, (1, args.prompt_length), device=device)
         max_length = args.prompt_length + args.rounds + 1
         reference = target.generate(prompt, do_sample=False, max_length=max_length + 8)
         # name -> (drafter, linear-attention rollback); "dmtp-replay" measures snapshot + replay against per-step.
@@ -154,14 +169,20 @@ def main(argv: list[str] | None = None) -> int:
         plain_samples = []
         for drafter, rollback in strategies.values():  # warm-up
             wrapped = AlwaysRejected(drafter, reference)
-            speculative_decode(target, prompt, wrapped, max_length=args.prompt_length + 4, rollback=rollback)
+            speculative_decode(
+                target, prompt, wrapped, max_length=args.prompt_length + 4, rollback=rollback, profile=profile
+            )
         for _ in range(args.repeats):
             plain_samples.append(plain_step_seconds(target, prompt, args.rounds))
             for name, (drafter, rollback) in strategies.items():
                 stats = SpecStats(drafter.num_candidates, name)
                 wrapped = AlwaysRejected(drafter, reference)
+                _sync(device)
                 start = time.perf_counter()
-                speculative_decode(target, prompt, wrapped, max_length=max_length, stats=stats, rollback=rollback)
+                speculative_decode(
+                    target, prompt, wrapped, max_length=max_length, stats=stats, rollback=rollback, profile=profile
+                )
+                _sync(device)
                 total = time.perf_counter() - start
                 rounds = stats.num_rounds
                 setup = stats.stage_seconds["prefill"] + stats.stage_seconds["draft_prefill"]
