@@ -460,3 +460,20 @@ def test_loading_is_strict_about_shapes_and_missing_tensors(tmp_path):
     save_file(tensors, str(tmp_path / "extra" / "model.safetensors"))
     with pytest.raises(ValueError, match="attention_conv"):
         DMTPDraftModel.from_pretrained(tmp_path / "extra")
+
+
+def test_fusionless_dmtp_checkpoint_loads_into_a_fusion_layout(tmp_path, target):
+    """A draft trained with layout 'dflash' (saved in the DMTP format) is the start of DMTP-from-DFlash training."""
+    dflash = DMTPDraftModel(tiny_draft_config(anchor_layout="dflash", fusion="none"))
+    dflash.save_pretrained(tmp_path / "dflash")
+    dual = DMTPDraftModel.from_pretrained(tmp_path / "dflash", anchor_layout="dual", fusion="residual")
+    assert dual.fusion is not None and dual.fusion.is_noop()
+    backbone = {k: v for k, v in dual.state_dict().items() if not k.startswith("fusion.")}
+    assert all(torch.equal(v, dflash.state_dict()[k]) for k, v in backbone.items())
+
+
+def test_missing_local_checkpoint_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="No checkpoint directory"):
+        DMTPDraftModel.from_pretrained(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match="No checkpoint directory"):
+        DMTPConfig.from_pretrained("./outputs/not/there")

@@ -16,6 +16,7 @@ Unmodified DFlash ``config.json`` files (``model_type: qwen3``, ``architectures:
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any
 
 from huggingface_hub.dataclasses import strict
@@ -51,6 +52,17 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
     start, end = 1, num_target_layers - 3
     span = end - start
     return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+def require_local_directory(path: str | os.PathLike) -> None:
+    """Raise ``FileNotFoundError`` for a path that is clearly local (not a Hub ``namespace/name`` id) but missing.
+
+    Without this, Transformers reports a missing local folder as an invalid Hub repo id.
+    """
+    text = os.fspath(path)
+    looks_local = isinstance(path, os.PathLike) or text.startswith((".", "/", "~")) or text.count("/") >= 2
+    if looks_local and not os.path.isdir(os.path.expanduser(text)):
+        raise FileNotFoundError(f"No checkpoint directory at {text!r}.")
 
 
 def is_dflash_config_dict(config_dict: dict[str, Any]) -> bool:
@@ -252,6 +264,12 @@ class DMTPConfig(Qwen3Config):
         config_dict = dict(config_dict)
         if is_dflash_config_dict(config_dict):
             config_dict["_loaded_from_dflash"] = True
+        # What the checkpoint's own fusion was, before any override: a checkpoint saved without fusion weights
+        # (DFlash, or a DMTP checkpoint with layout 'dflash' / fusion 'none') may be loaded into a fusion layout.
+        saved = (config_dict.get("dmtp_config") or {}).get("fusion")
+        saved_layout = (config_dict.get("dmtp_config") or {}).get("anchor_layout")
+        if config_dict.get("_loaded_from_dflash") or saved == "none" or saved_layout == "dflash":
+            config_dict["_checkpoint_without_fusion"] = True
         config_dict.pop("model_type", None)
         config_dict.pop("auto_map", None)
         config_dict["architectures"] = ["DMTPDraftModel"]
@@ -260,8 +278,14 @@ class DMTPConfig(Qwen3Config):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs) -> DMTPConfig:
         """Load a DMTP or DFlash ``config.json`` (local folder or Hub repo) without the model-type warning."""
+        require_local_directory(pretrained_model_name_or_path)
         config_dict, kwargs = cls.get_config_dict(pretrained_model_name_or_path, **kwargs)
         return cls.from_dict(config_dict, **kwargs)
+
+    @property
+    def checkpoint_without_fusion(self) -> bool:
+        """True when the loaded checkpoint carried no fusion weights (DFlash, or a DMTP 'dflash'/'none' draft)."""
+        return bool(getattr(self, "_checkpoint_without_fusion", False))
 
     @property
     def loaded_from_dflash(self) -> bool:
@@ -294,6 +318,7 @@ class DMTPConfig(Qwen3Config):
         """Serialise, dropping the private loading marker."""
         out = super().to_dict()
         out.pop("_loaded_from_dflash", None)
+        out.pop("_checkpoint_without_fusion", None)
         return out
 
 

@@ -38,7 +38,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 from transformers.utils import logging as hf_logging
 
-from .configuration_dmtp import DMTPConfig
+from .configuration_dmtp import DMTPConfig, require_local_directory
 
 # ----------------------------------------------------------------------------------------------------
 # 1. Visibility
@@ -614,6 +614,7 @@ class DMTPDraftModel(DMTPPreTrainedModel):
         Any other missing, unexpected or mis-shaped tensor raises ``ValueError`` naming it. ``target`` binds
         the draft (see :meth:`bind`).
         """
+        require_local_directory(pretrained_model_name_or_path)
         want_info = kwargs.pop("output_loading_info", False)
         kwargs.setdefault("key_mapping", {r"^model\.": ""})
         # Let HF report mismatched shapes instead of raising, so the error below can name the tensors.
@@ -653,11 +654,11 @@ _FUSION_KEY = re.compile(r"^fusion\.")
 
 def _check_loading_info(model: DMTPDraftModel, info: dict[str, Any]) -> None:
     missing = list(info.get("missing_keys") or [])
-    if model.config.loaded_from_dflash:
-        # A DFlash checkpoint has no fusion; it was initialised as documented (zero residual).
+    if model.config.checkpoint_without_fusion:
+        # A DFlash (or fusion-less DMTP) checkpoint has no fusion; it was initialised as documented (zero residual).
         missing = [k for k in missing if not _FUSION_KEY.match(k)]
         if model.fusion is not None:
-            logger.info("Loaded a DFlash checkpoint: fusion=%r initialised as documented.", model.config.fusion)
+            logger.info("Checkpoint without fusion: fusion=%r initialised as documented.", model.config.fusion)
     if missing:
         raise ValueError(
             f"Checkpoint is missing {len(missing)} tensor(s) required by the DMTP config: {sorted(missing)[:20]}"
