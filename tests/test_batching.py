@@ -25,6 +25,10 @@ class BatchOracle(DrafterWrapper):
         for row, ref in enumerate(references):
             self.reference[row, : ref.shape[0]] = ref
 
+    def select_rows(self, rows):
+        self.reference = self.reference[rows]
+        return self.inner.select_rows(rows)
+
     def propose(self, prefix, anchor_positions, select, stats):
         proposal = self.inner.propose(prefix, anchor_positions, select, stats)
         batch, k = proposal.tokens.shape

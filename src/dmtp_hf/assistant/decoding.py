@@ -185,6 +185,9 @@ def speculative_decode(
         generated = torch.full((batch, budget + 1), pad, dtype=torch.long, device=device)  # +1: scratch column
         generated[:, 0] = first
         num_generated = torch.ones(batch, dtype=torch.long, device=device)
+        # Rows leave the batch when they finish; `rows` maps active rows to the caller's rows.
+        rows, rows_host = torch.arange(batch, device=device), list(range(batch))
+        all_generated, all_num_generated = generated.clone(), num_generated.clone()
         prompt_lengths = prompt_mask.sum(-1)
         anchor_positions = prompt_lengths.clone()  # position of A per row
         finished = num_generated >= budget
@@ -243,11 +246,11 @@ def speculative_decode(
                         ids[:, :n], pos[:, :n], logits_to_keep=1, capture=False
                     ),
                 )
-            for row, request in enumerate(requests):
-                if counts_host[row]:
-                    request.rounds += 1
-                    request.hist[accepted_host[row]] += 1
-                    request.round_tokens += counts_host[row]
+            for active, row in enumerate(rows_host):
+                if counts_host[active]:
+                    requests[row].rounds += 1
+                    requests[row].hist[accepted_host[active]] += 1
+                    requests[row].round_tokens += counts_host[active]
             if streamer is not None and counts_host[0]:
                 streamer.put(new_tokens[0, : counts_host[0]].cpu())
             if on_round is not None:
@@ -257,23 +260,41 @@ def speculative_decode(
             if len(other_criteria):
                 finished |= other_criteria(prefix, None)
 
+            step = TargetStep(
+                verify_positions,
+                new_tokens,
+                steps[None] < counts[:, None],
+                mtp_hidden,
+                features,
+            )
+            if bool(finished.any()) and not bool(finished.all()):
+                # Finished rows leave the batch so later rounds do no work for them.
+                keep = (~finished).nonzero()[:, 0]
+                if drafter.select_rows(keep):
+                    gone = finished.nonzero()[:, 0]
+                    all_generated[rows[gone]] = generated[gone]
+                    all_num_generated[rows[gone]] = num_generated[gone]
+                    state.select_rows(keep)
+                    rows, rows_host = rows[keep], [rows_host[i] for i in keep.tolist()]
+                    generated, num_generated, finished = generated[keep], num_generated[keep], finished[keep]
+                    prompt_lengths, anchor_positions = prompt_lengths[keep], anchor_positions[keep]
+                    lengths = prompt_lengths + num_generated
+                    prefix = prefix[keep][:, prefix.shape[1] - int(lengths.max()) :]
+                    step = TargetStep(*(None if t is None else t[keep] for t in step.__dict__.values()))
+                    counts = counts[keep]
+
             # ---- 5. Advance the drafter with the committed positions ------------------------------------------
             if not bool(finished.all()):
-                width = max(counts_host)
+                width = int(counts.max())
                 drafter.advance(
-                    TargetStep(
-                        verify_positions[:, :width],
-                        new_tokens[:, :width],
-                        steps[None, :width] < counts[:, None],
-                        None if mtp_hidden is None else mtp_hidden[:, :width],
-                        None if features is None else features[:, :width],
-                    ),
-                    stats,
+                    TargetStep(*(None if t is None else t[:, :width] for t in step.__dict__.values())), stats
                 )
                 anchor_positions = anchor_positions + counts
     finally:
         runner.close()
         if streamer is not None:
             streamer.end()
-    longest = int(num_generated.max())
-    return torch.cat([input_ids, generated[:, :longest]], dim=1), stats
+    all_generated[rows] = generated
+    all_num_generated[rows] = num_generated
+    longest = int(all_num_generated.max())
+    return torch.cat([input_ids, all_generated[:, :longest]], dim=1), stats

@@ -111,6 +111,10 @@ class Drafter:
         """Commit the positions the last verify accepted (accepted tokens + bonus); MTP work is timed as ``mtp``."""
         raise NotImplementedError
 
+    def select_rows(self, rows: torch.Tensor) -> bool:
+        """Keep only batch ``rows`` (finished sequences leave the batch); ``False`` if this drafter cannot."""
+        return False
+
 
 class DrafterWrapper(Drafter):
     """Base for drafters that adjust another drafter's proposals (e.g. constrain or corrupt them for tests and
@@ -143,6 +147,10 @@ class DrafterWrapper(Drafter):
         """The inner drafter's proposal (override to change it)."""
         return self.inner.propose(prefix, anchor_positions, select, stats)
 
+    def select_rows(self, rows: torch.Tensor) -> bool:
+        """Forwarded to the inner drafter (override to also select the wrapper's own per-row state)."""
+        return self.inner.select_rows(rows)
+
 
 class _DFlashContext:
     """The DFlash draft's context: cached context K/V plus target features not yet fed to the draft.
@@ -161,6 +169,21 @@ class _DFlashContext:
     def add(self, step: TargetStep) -> None:
         """Queue the features of newly committed positions (fed to the draft with the next block)."""
         self.pending.append(step)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only batch ``rows`` of the cache, the entry bookkeeping and any queued features."""
+        self.cache.reorder_cache(rows)
+        if self.positions is not None:
+            self.positions, self.mask = self.positions[rows], self.mask[rows]
+        self.pending = [
+            TargetStep(
+                *(
+                    None if t is None else t[rows]
+                    for t in (s.positions, s.next_tokens, s.mask, s.mtp_hidden, s.features)
+                )
+            )
+            for s in self.pending
+        ]
 
     def run_block(self, block_embeds: torch.Tensor, anchor_positions: torch.Tensor) -> torch.Tensor:
         """One draft forward over the block; returns the final-normed block hidden ``[B, Q, H]``."""
@@ -233,6 +256,11 @@ class DFlashDrafter(Drafter):
         """Queue the accepted positions' features."""
         self.context.add(step)
 
+    def select_rows(self, rows: torch.Tensor) -> bool:
+        """Drop finished rows from the DFlash context."""
+        self.context.select_rows(rows)
+        return True
+
 
 class MTPDrafter(Drafter):
     """Native MTP-k: the target's MTP head chained k times (k = 4 is the blog's MTP415)."""
@@ -279,6 +307,11 @@ class MTPDrafter(Drafter):
         """Commit the accepted pairs to the MTP cache."""
         with _stage(stats, "mtp"), torch.no_grad():
             self.mtp.advance(step.next_tokens, step.mtp_hidden, step.positions, _pair_mask(step))
+
+    def select_rows(self, rows: torch.Tensor) -> bool:
+        """Drop finished rows from the MTP head's state."""
+        self.mtp.select_rows(rows)
+        return True
 
 
 class DMTPDrafter(Drafter):
@@ -331,3 +364,9 @@ class DMTPDrafter(Drafter):
         self.context.add(step)
         with _stage(stats, "mtp"), torch.no_grad():
             self.mtp.advance(step.next_tokens, step.mtp_hidden, step.positions, _pair_mask(step))
+
+    def select_rows(self, rows: torch.Tensor) -> bool:
+        """Drop finished rows from the MTP head and the DFlash context."""
+        self.mtp.select_rows(rows)
+        self.context.select_rows(rows)
+        return True

@@ -192,6 +192,11 @@ class TargetCacheState:
             ]
         return contextlib.nullcontext()
 
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only batch ``rows`` of the cache (finished sequences leave the batch)."""
+        self.cache.reorder_cache(rows)
+        self.valid = self.valid[rows]
+
     def commit(self, kept: torch.Tensor, num_processed: int, replay=None) -> None:
         """Keep the first ``kept[b]`` (>= 1) of the ``num_processed`` tokens the last forward appended for row b.
 

@@ -336,6 +336,15 @@ class NativeMTPHead(nn.Module):
                 self.cache.crop(committed - self.num_committed)
         return torch.stack(tokens, dim=1), torch.stack(logits, dim=1)
 
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only batch ``rows`` (``[B']`` indices), e.g. when finished sequences leave a batch."""
+        if self.cache is not None:
+            self.cache.reorder_cache(rows)
+        for name in ("_last_hidden", "_next_position", "_pair_mask"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, value.index_select(0, rows.to(value.device)))
+
     def crop(self, num_pairs: int) -> None:
         """Drop the last ``num_pairs`` committed pairs from the cache (and padding mask).
 
