@@ -117,3 +117,18 @@ def test_batched_rows_finish_independently_at_eos(targets):  # noqa: F811
         assert torch.equal(got, expected), row
         assert (out[row, ids.shape[1] + expected.shape[0] :] == 0).all()  # padded after its own EOS
     assert len(lengths) >= 2  # rows really finished at different times
+
+    # finished rows leave the batch: later rounds run on fewer rows, and the output is unchanged
+    batch_sizes = []
+    direct, _ = speculative_decode(
+        target,
+        ids,
+        DMTPDrafter(draft, draft.native_mtp),
+        max_length=ids.shape[1] + MAX_NEW,
+        attention_mask=mask,
+        eos_token_id=torch.tensor([eos]),
+        pad_token_id=0,
+        on_round=lambda cache, prefix: batch_sizes.append(prefix.shape[0]),
+    )
+    assert torch.equal(direct, out[:, : direct.shape[1]])
+    assert batch_sizes[0] == 4 and min(batch_sizes) < 4
