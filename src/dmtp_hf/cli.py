@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="run DMTP on the bundled small models and print acceptance statistics")
-    demo.add_argument("--max-new-tokens", type=int, default=48)
+    demo.add_argument("--max-new-tokens", type=int, default=96)
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=_cmd_demo)
 

@@ -16,11 +16,11 @@ from pathlib import Path
 import torch
 
 
-def _bundled():
+def _bundled(name: str):
     from .bundled import NotBuiltError, default_paths
 
     try:
-        return default_paths(("target", "dmtp"))
+        return default_paths((name,))[name]
     except NotBuiltError:
         return None
 
@@ -60,40 +60,58 @@ def run_demo(max_new_tokens: int = 48, seed: int = 0) -> int:
     """Run the demo and return a process exit code."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    import dmtp_hf
+
     from .modeling import DMTPDraftModel
 
     torch.manual_seed(seed)
-    paths = _bundled()
+    target_path, draft_path = _bundled("target"), _bundled("dmtp")
     with tempfile.TemporaryDirectory() as tmp:
-        if paths is None:
+        if target_path is None:
             print(
                 "NOTE: the bundled trained models are not built yet (see scripts/reproduce/README.md): this demo "
                 "runs a tiny RANDOMLY INITIALISED Qwen3.5-architecture target and DMTP draft. Expect gibberish and "
                 "near-zero acceptance; the point is the lossless pipeline."
             )
-            target, draft, tokenizer = _random_models(Path(tmp) / "target")
+            target, assistant, tokenizer = _random_models(Path(tmp) / "target")
             prompt_ids = torch.randint(0, 1000, (1, 16))
+            strategy = None
         else:
-            target = AutoModelForCausalLM.from_pretrained(paths["target"]).eval()
-            tokenizer = AutoTokenizer.from_pretrained(paths["target"])
-            draft = DMTPDraftModel.from_pretrained(paths["dmtp"], target=target).eval()
-            messages = [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number."}]
+            target = AutoModelForCausalLM.from_pretrained(target_path).eval()
+            tokenizer = AutoTokenizer.from_pretrained(target_path)
+            # The code-request shape of the bundled target's training data (scripts/reproduce/build_corpus.py).
+            request = (
+                "Write the Python function `fibonacci` of the `mathutils` module.\n\n"
+                "Signature: `def fibonacci(n):`\n\nDocstring: Return the n-th Fibonacci number."
+            )
+            messages = [{"role": "user", "content": request}]
             prompt_ids = tokenizer.apply_chat_template(
                 messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
             )["input_ids"]
-        cfg = draft.config
-        print(
-            f"target: {type(target).__name__}; draft: layout={cfg.anchor_layout} fusion={cfg.fusion}, "
-            f"{cfg.num_candidates} candidates/round (T1 from the native MTP head)"
-        )
+            if draft_path is not None:
+                assistant, strategy = DMTPDraftModel.from_pretrained(draft_path, target=target).eval(), None
+            else:
+                print(
+                    "NOTE: the bundled DMTP draft is not trained yet: drafting with the bundled target's own native "
+                    "MTP head alone (MTP-2, the native-MTP baseline)."
+                )
+                assistant, strategy = dmtp_hf.load_native_mtp(target), "mtp"
+        if strategy is None:
+            cfg = assistant.config
+            what = f"DMTP draft: layout={cfg.anchor_layout} fusion={cfg.fusion}, {cfg.num_candidates} candidates/round"
+        else:
+            what = "native MTP head chained 2 steps"
+        print(f"target: {type(target).__name__} ({sum(p.numel() for p in target.parameters()) / 1e6:.1f}M); {what}")
 
         kwargs = dict(do_sample=False, max_new_tokens=max_new_tokens)
-        target.generate(prompt_ids, **kwargs, max_length=None)  # warm-up
+        target.generate(prompt_ids, **kwargs)  # warm-up
         start = time.perf_counter()
         plain = target.generate(prompt_ids, **kwargs)
         plain_seconds = time.perf_counter() - start
         start = time.perf_counter()
-        out = target.generate(prompt_ids, assistant_model=draft, return_dict_in_generate=True, **kwargs)
+        out = dmtp_hf.generate(
+            target, prompt_ids, assistant, strategy=strategy, mtp_steps=2, return_dict_in_generate=True, **kwargs
+        )
         dmtp_seconds = time.perf_counter() - start
 
     new = out.sequences[0, prompt_ids.shape[1] :]
