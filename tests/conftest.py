@@ -2,7 +2,7 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from dmtp_hf import DMTPConfig
+from dmtp_hf import DMTPConfig, DMTPDraftModel
 
 VOCAB = 96
 HIDDEN = 32
@@ -49,3 +49,28 @@ def tiny_draft_config(**overrides) -> DMTPConfig:
 @pytest.fixture
 def target():
     return tiny_qwen3_target()
+
+
+def draft_for(target, **overrides) -> DMTPDraftModel:
+    text = target.config.get_text_config()
+    hidden = text.hidden_size
+    config = dict(
+        vocab_size=text.vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        num_target_layers=text.num_hidden_layers,
+        target_layer_ids=[0, text.num_hidden_layers - 1],
+        mask_token_id=text.vocab_size - 1,
+    )
+    config.update(overrides)
+    torch.manual_seed(1)
+    draft = DMTPDraftModel(DMTPConfig(**config)).eval()
+    if draft.fusion is not None:  # a non-zero fusion, so that fusion bugs change the drafts
+        with torch.no_grad():
+            for p in draft.fusion.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+    return draft.bind(target)

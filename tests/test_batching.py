@@ -5,7 +5,8 @@ import random
 
 import pytest
 import torch
-from test_engine import draft_for, targets  # noqa: F401  (module-scoped fixture)
+from conftest import draft_for
+from test_engine import targets  # noqa: F401  (module-scoped fixture)
 
 from dmtp_hf.assistant import DFlashDrafter, DMTPDrafter, Drafter, MTPDrafter, Proposal, SpecStats, speculative_decode
 from dmtp_hf.assistant.drafters import DrafterWrapper

@@ -5,9 +5,9 @@ import random
 
 import pytest
 import torch
+from conftest import draft_for
 from transformers.cache_utils import DynamicCache, LinearAttentionCacheLayerMixin
 
-from dmtp_hf import DMTPConfig, DMTPDraftModel
 from dmtp_hf.assistant import SpecStats, speculative_decode
 from dmtp_hf.assistant.drafters import DFlashDrafter, DMTPDrafter, Drafter, DrafterWrapper, MTPDrafter, Proposal
 from dmtp_hf.assistant.generate import generate as dmtp_generate
@@ -21,31 +21,6 @@ def targets(tmp_path_factory):
     """One tiny random checkpoint (with its native MTP head) per family, loaded once."""
     root = tmp_path_factory.mktemp("targets")
     return {family: load_tiny_target(make_tiny_target(family, root / family)) for family in FAMILIES}
-
-
-def draft_for(target, **overrides) -> DMTPDraftModel:
-    text = target.config.get_text_config()
-    hidden = text.hidden_size
-    config = dict(
-        vocab_size=text.vocab_size,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=hidden // 4,
-        num_target_layers=text.num_hidden_layers,
-        target_layer_ids=[0, text.num_hidden_layers - 1],
-        mask_token_id=text.vocab_size - 1,
-    )
-    config.update(overrides)
-    torch.manual_seed(1)
-    draft = DMTPDraftModel(DMTPConfig(**config)).eval()
-    if draft.fusion is not None:  # a non-zero fusion, so that fusion bugs change the drafts
-        with torch.no_grad():
-            for p in draft.fusion.parameters():
-                p.add_(torch.randn_like(p) * 0.05)
-    return draft.bind(target)
 
 
 class OracleMix(DrafterWrapper):

@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import draft_for
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-from dmtp_hf import DMTPConfig, DMTPDraftModel
+from dmtp_hf import DMTPConfig
 from dmtp_hf.assistant.drafters import Drafter, Proposal
 from dmtp_hf.cli import main
 from dmtp_hf.evaluation import (
@@ -59,31 +60,6 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
         unk_token="[UNK]",
         chat_template=CHAT_TEMPLATE,
     )
-
-
-def draft_for(target, **overrides) -> DMTPDraftModel:
-    text = target.config.get_text_config()
-    hidden = text.hidden_size
-    config = dict(
-        vocab_size=text.vocab_size,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=hidden // 4,
-        num_target_layers=text.num_hidden_layers,
-        target_layer_ids=[0, text.num_hidden_layers - 1],
-        mask_token_id=text.vocab_size - 1,
-    )
-    config.update(overrides)
-    torch.manual_seed(1)
-    draft = DMTPDraftModel(DMTPConfig(**config)).eval()
-    if draft.fusion is not None:  # non-zero fusion so the DMTP draft differs from "DFlash conditioned on T1"
-        with torch.no_grad():
-            for p in draft.fusion.parameters():
-                p.add_(torch.randn_like(p) * 0.05)
-    return draft.bind(target)
 
 
 @pytest.fixture(scope="module")
