@@ -319,6 +319,51 @@ def test_eval_all_bundled_sets_metrics_recomputable(eval_run):
     assert "acceptance length per request" in stdout and "eval.json" in stdout
 
 
+def test_eval_speedup_is_measured_against_plain_generate_in_the_same_run(eval_run):
+    out, _ = eval_run
+    data = json.loads((out / "eval.json").read_text())
+    baseline = data["baseline"]
+    assert set(baseline) == {*data["results"], "overall"}
+    for dataset, by_strategy in data["results"].items():
+        base = baseline[dataset]
+        # plain generate produced exactly the speculative strategies' tokens (digest included in outputs_identical)
+        assert base["output_digest"] == by_strategy["dmtp"]["output_digest"]
+        assert base["output_tokens"] == by_strategy["dmtp"]["output_tokens"] > 0
+        for entry in by_strategy.values():
+            ratio = (entry["output_tokens"] / entry["wall_seconds"]) / (base["output_tokens"] / base["wall_seconds"])
+            assert entry["speedup"] == pytest.approx(ratio)
+    markdown = (out / "eval.md").read_text()
+    assert "Wall-clock speedup over plain `target.generate`" in markdown
+    assert f"{data['overall']['dmtp']['speedup']:.2f}×" in markdown
+
+
+def test_eval_report_only_merges_split_runs(eval_run, tmp_path, capsys):
+    out, _ = eval_run
+    data = json.loads((out / "eval.json").read_text())
+    names = [d["name"] for d in data["datasets"]]
+    parts = []
+    for chunk in (names[:2], names[2:]):  # as if two processes had each run some of the sets
+        part = {**data, "datasets": [d for d in data["datasets"] if d["name"] in chunk]}
+        part["results"] = {n: data["results"][n] for n in chunk}
+        part["baseline"] = {n: data["baseline"][n] for n in chunk}
+        part["outputs_identical"] = {n: data["outputs_identical"][n] for n in chunk}
+        part["overall"] = "stale"  # recomputed from the per-dataset entries
+        path = tmp_path / f"part{len(parts)}.json"
+        path.write_text(json.dumps(part))
+        parts.append(path)
+    merged_dir = tmp_path / "merged"
+    assert main(["eval", "--report-only", *map(str, parts), "--output-dir", str(merged_dir)]) == 0
+    merged = json.loads((merged_dir / "eval.json").read_text())
+    assert merged["results"] == data["results"] and merged["baseline"] == data["baseline"]
+    for label, entry in data["overall"].items():
+        for key in ("hist", "acceptance_length_per_verify", "acceptance_length_per_request", "speedup"):
+            assert merged["overall"][label][key] == pytest.approx(entry[key]), (label, key)
+    assert (merged_dir / "eval.md").read_text() == (out / "eval.md").read_text()
+    # overlapping or mismatched parts are refused with a one-line error
+    assert main(["eval", "--report-only", str(parts[0]), str(parts[0]), "--output-dir", str(merged_dir)]) == 2
+    assert "appears in more than one file" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # dmtp bench
 

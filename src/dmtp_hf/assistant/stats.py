@@ -157,6 +157,20 @@ class SpecStats:
             "requests": [{"rounds": r.rounds, "round_tokens": r.round_tokens, "hist": r.hist} for r in self.requests],
         }
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SpecStats:
+        """Rebuild statistics from :meth:`to_dict` output (per-request counts and stage times), e.g. to merge saved
+        evaluation results; every derived metric is recomputed from the requests."""
+        stats = cls(int(data["num_candidates"]), data.get("strategy", "dmtp"))
+        for entry in data.get("requests", []):
+            request = stats.new_request()
+            request.rounds = int(entry["rounds"])
+            request.round_tokens = int(entry["round_tokens"])
+            request.hist = [int(c) for c in entry["hist"]]
+        for key, value in (data.get("stage_seconds") or {}).items():
+            stats.stage_seconds[key] += float(value)
+        return stats
+
     def summary(self) -> str:
         """One human-readable line."""
         return (

@@ -25,6 +25,8 @@ from .models import ModelPaths, Strategy, eos_token_ids
 from .prompts import DEFAULT_LIMIT, PromptSet
 
 SCHEMA = "dmtp-eval/1"
+BASELINE = "generate"
+ALL_DATASETS = "overall"  # key of the all-datasets entry in ``results["baseline"]``  # label of plain ``target.generate`` in ``results["baseline"]``
 
 
 @dataclass
@@ -39,6 +41,7 @@ class EvalSettings:
     enable_thinking: bool = False
     seed: int = 0
     batch_size: int = 1
+    baseline: bool = True  # also time plain ``target.generate`` on the same turns (wall-clock speedup)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -132,20 +135,24 @@ def run_acceptance_eval(
     eos = eos_token_ids(target, tokenizer)
     gen_kwargs = generation_kwargs(settings, eos, tokenizer.pad_token_id)
     device = next(target.parameters()).device
-    total = sum(s.num_turns for s in prompt_sets) * len(strategies)
+    # Plain decoding runs first on every turn, under the same conditions, so each strategy's speedup is measured
+    # against it in the same run (ratios, not absolute tokens/s, are what survives a noisy machine).
+    labels = ([BASELINE] if settings.baseline else []) + [s.label for s in strategies]
+    drafters = {s.label: s.drafter for s in strategies}
+    total = sum(s.num_turns for s in prompt_sets) * len(labels)
     results: dict[str, dict[str, Any]] = {}
+    baseline: dict[str, dict[str, Any]] = {}
     identical: dict[str, bool] = {}
-    overall = {s.label: SpecStats(s.num_candidates, s.label) for s in strategies}
     bar = tqdm(total=total, desc="dmtp eval", unit="turn", disable=not progress, dynamic_ncols=True)
     try:
         for pset in prompt_sets:
             stats = {s.label: SpecStats(s.num_candidates, s.label) for s in strategies}
-            meta: dict[str, list[dict[str, Any]]] = {s.label: [] for s in strategies}
-            seconds = dict.fromkeys(stats, 0.0)
-            digests: dict[str, Any] = {s.label: hashlib.sha256() for s in strategies}
+            meta: dict[str, list[dict[str, Any]]] = {label: [] for label in labels}
+            seconds = dict.fromkeys(labels, 0.0)
+            digests: dict[str, Any] = {label: hashlib.sha256() for label in labels}
             for prompt_index, prompt in enumerate(pset.prompts):
-                for strategy in strategies:
-                    bar.set_postfix_str(f"{pset.name}/{strategy.label}", refresh=False)
+                for label in labels:
+                    bar.set_postfix_str(f"{pset.name}/{label}", refresh=False)
                     messages: list[dict[str, str]] = []
                     for turn_index, turn in enumerate(prompt.turns):
                         messages.append({"role": "user", "content": turn})
@@ -153,20 +160,27 @@ def run_acceptance_eval(
                         if settings.do_sample:  # same seed per (prompt, turn) for every strategy
                             torch.manual_seed(settings.seed + 1000 * prompt_index + turn_index)
                         start = time.perf_counter()
-                        out = dmtp_generate(
-                            target,
-                            input_ids,
-                            strategy.drafter,
-                            verify_mode=settings.resolved_verify_mode,
-                            attention_mask=torch.ones_like(input_ids),
-                            return_dict_in_generate=True,
-                            **gen_kwargs,
-                        )
-                        seconds[strategy.label] += time.perf_counter() - start
-                        stats[strategy.label].merge(out.spec_stats)
-                        new_tokens = out.sequences[0, input_ids.shape[1] :].tolist()
-                        digests[strategy.label].update(repr(new_tokens).encode())
-                        meta[strategy.label].append(
+                        if label == BASELINE:
+                            sequences = target.generate(
+                                input_ids, attention_mask=torch.ones_like(input_ids), **gen_kwargs
+                            )
+                        else:
+                            out = dmtp_generate(
+                                target,
+                                input_ids,
+                                drafters[label],
+                                verify_mode=settings.resolved_verify_mode,
+                                attention_mask=torch.ones_like(input_ids),
+                                return_dict_in_generate=True,
+                                **gen_kwargs,
+                            )
+                            sequences = out.sequences
+                        seconds[label] += time.perf_counter() - start
+                        if label != BASELINE:
+                            stats[label].merge(out.spec_stats)
+                        new_tokens = sequences[0, input_ids.shape[1] :].tolist()
+                        digests[label].update(repr(new_tokens).encode())
+                        meta[label].append(
                             {
                                 "question_id": prompt.question_id,
                                 "turn": turn_index,
@@ -177,25 +191,25 @@ def run_acceptance_eval(
                         reply = tokenizer.decode(new_tokens, skip_special_tokens=True)
                         messages.append({"role": "assistant", "content": reply})
                         bar.update()
-            results[pset.name] = {}
-            for strategy in strategies:
-                label = strategy.label
-                output_tokens = sum(m["output_tokens"] for m in meta[label])
-                results[pset.name][label] = stats_entry(
-                    stats[label],
-                    {
-                        "request_meta": meta[label],
-                        "output_tokens": output_tokens,
-                        "wall_seconds": seconds[label],
-                        "output_digest": digests[label].hexdigest(),
-                    },
-                )
-                overall[label].merge(stats[label])
-            identical[pset.name] = len({d.hexdigest() for d in digests.values()}) <= 1
+            timing = {
+                label: {
+                    "output_tokens": sum(m["output_tokens"] for m in meta[label]),
+                    "wall_seconds": seconds[label],
+                    "output_digest": digests[label].hexdigest(),
+                }
+                for label in labels
+            }
+            if settings.baseline:
+                baseline[pset.name] = {**timing[BASELINE], "request_meta": meta[BASELINE]}
+            results[pset.name] = {
+                s.label: stats_entry(stats[s.label], {"request_meta": meta[s.label], **timing[s.label]})
+                for s in strategies
+            }
+            identical[pset.name] = len({t["output_digest"] for t in timing.values()}) <= 1
     finally:
         bar.close()
 
-    return _finite(
+    return finalize_results(
         {
             "schema": SCHEMA,
             "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
@@ -214,10 +228,82 @@ def run_acceptance_eval(
                 for s in prompt_sets
             ],
             "results": results,
-            "overall": {label: stats_entry(s) for label, s in overall.items()},
+            "baseline": baseline,
             "outputs_identical": identical,
         }
     )
+
+
+def _throughput(entry: dict[str, Any]) -> float:
+    return entry["output_tokens"] / entry["wall_seconds"] if entry.get("wall_seconds") else float("nan")
+
+
+def finalize_results(results: dict[str, Any]) -> dict[str, Any]:
+    """Derive what follows from the per-dataset entries: ``overall`` (all datasets merged, recomputed from the
+    per-request counts), tokens/s, and each strategy's wall-clock speedup over the plain ``generate`` baseline
+    (tokens/s ratio; at T=0 both produce the same tokens). Idempotent."""
+    labels = [s["label"] for s in results["strategies"]]
+    datasets = [d["name"] for d in results["datasets"]]
+    baseline = results.get("baseline") or {}
+    overall: dict[str, Any] = {}
+    for label in labels:
+        entries = [results["results"][name][label] for name in datasets]
+        merged = SpecStats(entries[0]["num_candidates"], label)
+        for entry in entries:
+            merged.merge(SpecStats.from_dict(entry))
+        overall[label] = stats_entry(
+            merged,
+            {
+                "output_tokens": sum(e.get("output_tokens", 0) for e in entries),
+                "wall_seconds": sum(e.get("wall_seconds", 0.0) for e in entries),
+            },
+        )
+    if baseline:
+        baseline[ALL_DATASETS] = {
+            "output_tokens": sum(baseline[name]["output_tokens"] for name in datasets),
+            "wall_seconds": sum(baseline[name]["wall_seconds"] for name in datasets),
+        }
+    for name, by_label in [*((name, results["results"][name]) for name in datasets), (ALL_DATASETS, overall)]:
+        base = _throughput(baseline[name]) if baseline else float("nan")
+        if baseline:
+            baseline[name]["tokens_per_second"] = base
+        for entry in by_label.values():
+            entry["tokens_per_second"] = _throughput(entry)
+            entry["speedup"] = entry["tokens_per_second"] / base if baseline else float("nan")
+    results["overall"] = overall
+    return _finite(results)
+
+
+def merge_eval_results(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Merge ``dmtp eval`` results of disjoint prompt sets run separately (e.g. in parallel processes) with the
+    same strategies and settings into one result, as if run together."""
+    if not parts:
+        raise ValueError("nothing to merge")
+    first = parts[0]
+    labels = [s["label"] for s in first["strategies"]]
+    merged = {**first, "datasets": [], "results": {}, "baseline": {}, "outputs_identical": {}}
+    for part in parts:
+        if part.get("schema") != SCHEMA:
+            raise ValueError(f"not a {SCHEMA} file (schema {part.get('schema')!r})")
+        if [s["label"] for s in part["strategies"]] != labels:
+            raise ValueError("cannot merge evaluations of different strategies")
+        ignore = {"limit"}
+        if {k: v for k, v in part["settings"].items() if k not in ignore} != {
+            k: v for k, v in first["settings"].items() if k not in ignore
+        }:
+            raise ValueError("cannot merge evaluations run with different settings")
+        if bool(part.get("baseline")) != bool(first.get("baseline")):
+            raise ValueError("cannot merge evaluations with and without the generate baseline")
+        for dataset in part["datasets"]:
+            name = dataset["name"]
+            if name in merged["results"]:
+                raise ValueError(f"dataset {name!r} appears in more than one file")
+            merged["datasets"].append(dataset)
+            merged["results"][name] = part["results"][name]
+            if part.get("baseline"):
+                merged["baseline"][name] = part["baseline"][name]
+            merged["outputs_identical"][name] = part["outputs_identical"][name]
+    return finalize_results(merged)
 
 
 def _environment(device: torch.device) -> dict[str, Any]:

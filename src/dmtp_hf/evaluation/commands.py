@@ -93,6 +93,17 @@ def add_subcommands(sub) -> None:
     )
     _add_common(evaluate, "outputs/eval")
     evaluate.add_argument("--batch-size", type=int, default=1, help="speculative strategies support 1 for now")
+    evaluate.add_argument(
+        "--no-baseline", action="store_true", help="do not time plain target.generate (no speedup column)"
+    )
+    evaluate.add_argument(
+        "--report-only",
+        nargs="+",
+        type=Path,
+        metavar="EVAL_JSON",
+        help="rebuild JSON, markdown and plots from saved eval.json files (merged when several; disjoint prompt "
+        "sets, same strategies and settings) into --output-dir; loads no model",
+    )
     evaluate.set_defaults(func=cmd_eval)
 
     bench = sub.add_parser(
@@ -130,6 +141,7 @@ def _settings(args: argparse.Namespace):
         enable_thinking=args.enable_thinking,
         seed=args.seed,
         batch_size=getattr(args, "batch_size", 1),
+        baseline=not getattr(args, "no_baseline", False),
     )
 
 
@@ -177,22 +189,33 @@ def cmd_eval(args: argparse.Namespace) -> int:
     """``dmtp eval``: run the acceptance evaluation and write JSON, markdown and plots."""
     from rich.table import Table
 
-    from .acceptance import run_acceptance_eval
+    from .acceptance import merge_eval_results, run_acceptance_eval
     from .report import dataset_rows, write_eval_outputs
 
-    loaded = _load(args)
-    results = run_acceptance_eval(
-        loaded["target"],
-        loaded["tokenizer"],
-        loaded["prompt_sets"],
-        loaded["strategies"],
-        loaded["settings"],
-        paths=loaded["paths"],
-        progress=not args.no_progress,
-    )
+    if args.report_only:
+        parts = []
+        for path in args.report_only:
+            try:
+                parts.append(json.loads(Path(path).read_text()))
+            except (OSError, json.JSONDecodeError) as err:
+                raise ValueError(f"cannot read eval results {path}: {err}") from None
+        results = merge_eval_results(parts)
+    else:
+        loaded = _load(args)
+        results = run_acceptance_eval(
+            loaded["target"],
+            loaded["tokenizer"],
+            loaded["prompt_sets"],
+            loaded["strategies"],
+            loaded["settings"],
+            paths=loaded["paths"],
+            progress=not args.no_progress,
+        )
     files = write_eval_outputs(results, args.output_dir)
     labels = [s["label"] for s in results["strategies"]]
-    table = Table(title="acceptance length per request (per verify) · first-candidate acceptance")
+    table = Table(
+        title="acceptance length per request (per verify) · first-candidate acceptance · speedup over generate"
+    )
     table.add_column("dataset", no_wrap=True)
     for label in labels:
         table.add_column(label, justify="right")
@@ -201,9 +224,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
         for label in labels:
             e = entries[label]
             if e["num_rounds"]:
+                speed = f" · {e['speedup']:.2f}x" if e.get("speedup") is not None else ""
                 cells.append(
                     f"{e['acceptance_length_per_request']:.3f} ({e['acceptance_length_per_verify']:.3f}) · "
-                    f"{100 * e['first_candidate_acceptance']:.1f}%"
+                    f"{100 * e['first_candidate_acceptance']:.1f}%{speed}"
                 )
             else:
                 cells.append("no rounds")

@@ -78,6 +78,21 @@ def _position_table(results: dict[str, Any], metric: str) -> list[str]:
     return _table(header, rows)
 
 
+def _speedup_table(results: dict[str, Any]) -> list[str]:
+    labels = [s["label"] for s in results["strategies"]]
+    baseline = results["baseline"]
+    header = ["Dataset", "generate tok/s", *labels]
+    rows = []
+    for key, display, entries in dataset_rows(results):
+        row = [display, _fmt(baseline[key].get("tokens_per_second"), 1)]
+        row += [
+            f"{_fmt(entries[label].get('speedup'), 2)}× ({_fmt(entries[label].get('tokens_per_second'), 1)})"
+            for label in labels
+        ]
+        rows.append(row)
+    return _table(header, rows)
+
+
 def markdown_report(results: dict[str, Any]) -> str:
     """The evaluation as markdown: settings, then per-request / per-verify acceptance length, first-candidate
     acceptance and position-wise (cumulative and conditional) acceptance, in the blog's table shapes."""
@@ -129,6 +144,18 @@ def markdown_report(results: dict[str, Any]) -> str:
         *_position_table(results, "conditional_acceptance"),
         "",
     ]
+    if results.get("baseline"):
+        env = results["environment"]
+        lines += [
+            "## Wall-clock speedup over plain `target.generate`",
+            "",
+            f"Output tokens per second of the whole workload (prefill included) relative to plain decoding of the "
+            f"same turns, timed in the same run, batch size 1, on {env.get('device', 'the device')}: "
+            "`speedup (tokens/s)`.",
+            "",
+            *_speedup_table(results),
+            "",
+        ]
     mismatched = [name for name, same in results.get("outputs_identical", {}).items() if not same]
     if mismatched and not settings["temperature"]:
         lines += [
