@@ -25,8 +25,8 @@ from .models import ModelPaths, Strategy, eos_token_ids
 from .prompts import DEFAULT_LIMIT, PromptSet
 
 SCHEMA = "dmtp-eval/1"
-BASELINE = "generate"
-ALL_DATASETS = "overall"  # key of the all-datasets entry in ``results["baseline"]``  # label of plain ``target.generate`` in ``results["baseline"]``
+BASELINE = "generate"  # label of plain ``target.generate`` in ``results["baseline"]``
+ALL_DATASETS = "overall"  # key of the all-datasets entry in ``results["baseline"]``
 
 
 @dataclass
