@@ -199,6 +199,7 @@ def speculative_decode(
             streamer.put(first.cpu())
         if not bool(finished.all()):
             with stats.stage("draft_prefill", sync):
+                drafter.reserve(max_length + 1)
                 drafter.start(TargetStep(positions, prefix[:, 1:], prompt_mask, mtp_hidden, features))
 
         while not bool(finished.all()):
@@ -285,10 +286,13 @@ def speculative_decode(
 
             # ---- 5. Advance the drafter with the committed positions ------------------------------------------
             if not bool(finished.all()):
-                width = int(counts.max())
-                drafter.advance(
-                    TargetStep(*(None if t is None else t[:, :width] for t in step.__dict__.values())), stats
-                )
+                if drafter.fixed_slots:  # all K + 1 slots, the mask says which are real (fixed shapes)
+                    drafter.advance(step, stats)
+                else:
+                    width = int(counts.max())
+                    drafter.advance(
+                        TargetStep(*(None if t is None else t[:, :width] for t in step.__dict__.values())), stats
+                    )
                 anchor_positions = anchor_positions + counts
     finally:
         runner.close()

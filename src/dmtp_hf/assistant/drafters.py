@@ -88,10 +88,14 @@ class Drafter:
     num_candidates: int
     needs_features = False  # whether the target must return DFlash context features
     needs_mtp_hidden = False  # whether the target must provide the MTP input hidden
+    fixed_slots = False  # advance takes the verify's K + 1 slots with a validity mask (fast path, no host sync)
 
     def target_layer_ids(self) -> list[int]:
         """Target layers whose outputs form the context features (empty if unused)."""
         return []
+
+    def reserve(self, max_positions: int) -> None:
+        """Called before `start` with the longest sequence of the call (fixed-capacity drafters size their state)."""
 
     def start(self, step: TargetStep) -> None:
         """Initialise the drafter's state from the prompt (after the target prefill)."""
@@ -128,10 +132,15 @@ class DrafterWrapper(Drafter):
         self.needs_features = inner.needs_features
         self.needs_mtp_hidden = inner.needs_mtp_hidden
         self.hidden_input = getattr(inner, "hidden_input", "post_norm")
+        self.fixed_slots = inner.fixed_slots
 
     def target_layer_ids(self) -> list[int]:
         """The inner drafter's feature layers."""
         return self.inner.target_layer_ids()
+
+    def reserve(self, max_positions: int) -> None:
+        """Forwarded to the inner drafter."""
+        self.inner.reserve(max_positions)
 
     def start(self, step: TargetStep) -> None:
         """Forwarded to the inner drafter."""

@@ -32,28 +32,40 @@ class DMTPGenerateOutput(GenerateDecoderOnlyOutput):
     spec_stats: SpecStats | None = None
 
 
-def as_drafter(assistant: Any, *, strategy: str | None = None, mtp_steps: int = 1) -> Drafter | None:
+def as_drafter(
+    assistant: Any, *, strategy: str | None = None, mtp_steps: int = 1, fast_path: bool = False,
+    cuda_graphs: bool = True,
+) -> Drafter | None:  # fmt: skip
     """The :class:`Drafter` for ``assistant`` (a bound ``DMTPDraftModel``, a native MTP head, or a drafter).
 
     ``strategy`` overrides the default for a draft model: ``"dmtp"`` (layout ``single``/``dual``), ``"dflash"``
     (layout ``dflash``) or ``"mtp"`` (its bound native MTP head alone, chained ``mtp_steps`` times).
+    ``fast_path`` keeps the drafter state in fixed device-side slots (``fast_path.py``) and, on CUDA with
+    ``cuda_graphs``, replays the greedy MTP / T1 / DFlash stages as CUDA graphs; the tokens are the same.
     Returns ``None`` for anything else (so the router leaves the call to Transformers).
     """
     from ..modeling.modeling_dmtp import DMTPDraftModel
     from ..modeling.native_mtp.head import NativeMTPHead
+    from .fast_path import FastDFlashDrafter, FastDMTPDrafter, FastMTPDrafter
 
     if isinstance(assistant, Drafter):
         return assistant
     if isinstance(assistant, NativeMTPHead):
+        if fast_path:
+            return FastMTPDrafter(assistant, mtp_steps, cuda_graphs=cuda_graphs)
         return MTPDrafter(assistant, mtp_steps)
     if not isinstance(assistant, DMTPDraftModel):
         return None
     strategy = strategy or ("dflash" if assistant.config.anchor_layout == "dflash" else "dmtp")
     if strategy == "dflash":
-        return DFlashDrafter(assistant)
+        return FastDFlashDrafter(assistant, cuda_graphs=cuda_graphs) if fast_path else DFlashDrafter(assistant)
     if strategy == "mtp":
+        if fast_path:
+            return FastMTPDrafter(assistant.native_mtp, mtp_steps, cuda_graphs=cuda_graphs)
         return MTPDrafter(assistant.native_mtp, mtp_steps)
     if strategy == "dmtp":
+        if fast_path:
+            return FastDMTPDrafter(assistant, assistant.native_mtp, cuda_graphs=cuda_graphs)
         return DMTPDrafter(assistant, assistant.native_mtp)
     raise ValueError(f"Unknown drafting strategy {strategy!r}; expected 'dmtp', 'dflash' or 'mtp'.")
 
@@ -117,15 +129,16 @@ def generate(
     draft_sampling: bool | None = None,
     profile: bool = False,
     streamer=None,
+    fast_path: bool = False,
     **generate_kwargs: Any,
 ):
     """Speculative ``generate`` with a DMTP draft, a DFlash draft or a native MTP head, via ``custom_generate``.
 
     Equivalent to ``target.generate(input_ids, assistant_model=assistant, **generate_kwargs)`` on a bound target,
     with the drafting ``strategy`` ("dmtp", "dflash", "mtp") and ``verify_mode`` ("greedy", "match",
-    "rejection") made explicit.
+    "rejection") made explicit; ``fast_path=True`` uses the fixed-slot drafters (CUDA graphs on GPU).
     """
-    drafter = as_drafter(assistant, strategy=strategy, mtp_steps=mtp_steps)
+    drafter = as_drafter(assistant, strategy=strategy, mtp_steps=mtp_steps, fast_path=fast_path)
     if drafter is None:
         raise TypeError(
             f"Cannot draft with {type(assistant).__name__}; pass a DMTPDraftModel, NativeMTPHead or Drafter."
@@ -149,8 +162,8 @@ def install_generate_router(target) -> None:
         return
     original = target.generate
 
-    def routed_generate(self, *args, assistant_model=None, streamer=None, **kwargs):
-        drafter = as_drafter(assistant_model)
+    def routed_generate(self, *args, assistant_model=None, streamer=None, dmtp_fast_path=False, **kwargs):
+        drafter = as_drafter(assistant_model, fast_path=dmtp_fast_path)
         if drafter is None:
             return original(*args, assistant_model=assistant_model, streamer=streamer, **kwargs)
         return original(

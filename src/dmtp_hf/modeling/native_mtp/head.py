@@ -139,7 +139,8 @@ class NativeMTPHead(nn.Module):
             target_hidden: ``[B, n, H]`` target hidden states ``h_t`` (post- or pre-norm, see ``hidden_input``).
             position_ids: ``[B, n]`` positions of the pairs (the positions ``t`` of ``h_t``).
             cache: KV cache of the MTP layer, updated in place; None for a cache-free pass.
-            attention_mask: ``[B, past + n]`` 2D padding mask (1 = real pair), or None when nothing is padded.
+            attention_mask: ``[B, past + n]`` 2D padding mask (1 = real pair), or None when nothing is padded; a 4D
+                mask is used as given (the fixed-slot fast path builds its own over the whole slot buffer).
 
         Returns:
             ``[B, n, H]`` MTP hidden states ``g_t``; ``logits(g_t)`` predicts ``x_{t+2}``.
@@ -151,10 +152,13 @@ class NativeMTPHead(nn.Module):
             parts.reverse()
         hidden_states = self.projection(torch.cat(parts, dim=-1))  # [B, n, 2H] -> [B, n, H]
 
-        # The mask only depends on the cache length (query offset) and the padding mask; positions only drive RoPE.
-        mask = create_causal_mask(
-            config=self.config, inputs_embeds=hidden_states, attention_mask=attention_mask, cache=cache
-        )
+        if attention_mask is not None and attention_mask.ndim == 4:
+            mask = attention_mask  # already built for the attention kernel (fixed-slot fast path)
+        else:
+            # Only the cache length (query offset) and the padding mask shape it; positions only drive RoPE.
+            mask = create_causal_mask(
+                config=self.config, inputs_embeds=hidden_states, attention_mask=attention_mask, cache=cache
+            )
         rotary_emb = self._shared.rotary_emb
         position_embeddings = rotary_emb(hidden_states, position_ids) if rotary_emb is not None else None
         hidden_states = self.layer(

@@ -1,0 +1,167 @@
+"""The fixed-slot fast path (assistant/fast_path.py): the same proposals as the dynamic drafters, round by round,
+for every family and strategy, batched with ragged acceptance and left padding, greedy and sampled; CUDA-graph
+replay equals eager where a GPU exists."""
+
+import pytest
+import torch
+from conftest import draft_for
+from test_engine import OracleMix, greedy_reference
+
+from dmtp_hf.assistant import speculative_decode
+from dmtp_hf.assistant.drafters import DFlashDrafter, DMTPDrafter, DrafterWrapper, MTPDrafter
+from dmtp_hf.assistant.fast_path import (
+    FAR,
+    CUDAGraphCall,
+    FastDFlashDrafter,
+    FastDMTPDrafter,
+    FastMTPDrafter,
+    SlotCache,
+)
+from dmtp_hf.testing.tiny_targets import FAMILIES, load_tiny_target, make_tiny_target
+
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fast_targets")
+    return {family: load_tiny_target(make_tiny_target(family, root / family)) for family in FAMILIES}
+
+
+class Recorder(DrafterWrapper):
+    """Records every proposal (tokens per round)."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.proposals = []
+
+    def propose(self, prefix, anchor_positions, select, stats):
+        proposal = self.inner.propose(prefix, anchor_positions, select, stats)
+        self.proposals.append(proposal.tokens.clone())
+        return proposal
+
+
+def pairs(target):
+    """(dynamic, fast) drafters of every strategy over the same weights."""
+    dual = draft_for(target)
+    dflash = draft_for(target, anchor_layout="dflash")
+    return {
+        "dmtp": (DMTPDrafter(dual, dual.native_mtp), FastDMTPDrafter(dual, dual.native_mtp)),
+        "dflash": (DFlashDrafter(dflash), FastDFlashDrafter(dflash)),
+        "mtp1": (MTPDrafter(dual.native_mtp, 1), FastMTPDrafter(dual.native_mtp, 1)),
+        "mtp4": (MTPDrafter(dual.native_mtp, 4), FastMTPDrafter(dual.native_mtp, 4)),
+    }
+
+
+def _run(target, prompt, drafter, reference, seed, **kwargs):
+    recorder = Recorder(OracleMix(drafter, reference, seed=seed))
+    out, stats = speculative_decode(target, prompt, recorder, max_length=reference.shape[1], **kwargs)
+    return out, stats, recorder.proposals
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fast_path_proposes_exactly_what_the_dynamic_path_does(targets, family):
+    target = targets[family]
+    prompt = torch.tensor([[5, 17, 42, 9, 77, 3, 64]])
+    reference = greedy_reference(target, prompt)
+    for name, (dynamic, fast) in pairs(target).items():
+        out_d, stats_d, proposals_d = _run(target, prompt, dynamic, reference, seed=7)
+        out_f, stats_f, proposals_f = _run(target, prompt, fast, reference, seed=7)
+        assert torch.equal(out_f, reference), f"{family}/{name}"
+        assert len(proposals_f) == len(proposals_d) > 2
+        for round_index, (a, b) in enumerate(zip(proposals_d, proposals_f)):
+            assert torch.equal(a, b), f"{family}/{name} round {round_index}: {a.tolist()} vs {b.tolist()}"
+        assert stats_f.hist == stats_d.hist and sum(1 for c in stats_f.hist if c) >= 2
+
+
+def test_fast_path_batched_ragged_rows_with_left_padding(targets):
+    target = targets["qwen3_5"]
+    pad = 0
+    rows = [[5, 17, 42, 9, 77, 3, 64], [11, 12], [90, 3, 14, 15, 92]]
+    width = max(map(len, rows))
+    prompt = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    references = [greedy_reference(target, torch.tensor([r]), max_new_tokens=MAX_NEW)[0, len(r) :] for r in rows]
+    for name, (dynamic, fast) in pairs(target).items():
+        outs, proposals = [], []
+        for drafter in (dynamic, fast):
+            recorder = Recorder(drafter)
+            out, _ = speculative_decode(
+                target, prompt, recorder, max_length=width + MAX_NEW, attention_mask=mask, pad_token_id=pad
+            )
+            outs.append(out)
+            proposals.append(recorder.proposals)
+        assert torch.equal(outs[0], outs[1]), name
+        for b, reference in enumerate(references):
+            assert torch.equal(outs[1][b, width:], reference), f"{name} row {b}"
+        assert all(torch.equal(a, b) for a, b in zip(*proposals)) and len(proposals[0]) == len(proposals[1])
+
+
+def test_fast_path_sampling_draws_the_same_tokens(targets):
+    target = targets["deepseek_v3"]
+    prompt = torch.tensor([[5, 17, 42, 9]])
+    for name, (dynamic, fast) in pairs(target).items():
+        outs = []
+        for drafter in (dynamic, fast):
+            torch.manual_seed(123)
+            out, _ = speculative_decode(
+                target, prompt, drafter, max_length=4 + MAX_NEW, do_sample=True, verify_mode="rejection"
+            )
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1]), name
+
+
+def test_fast_path_through_target_generate(targets):
+    target = targets["qwen3_5"]
+    prompt = torch.tensor([[5, 17, 42, 9, 77]])
+    reference = greedy_reference(target, prompt)
+    draft = draft_for(target)
+    out = target.generate(prompt, assistant_model=draft, dmtp_fast_path=True, do_sample=False, max_new_tokens=MAX_NEW)
+    assert torch.equal(out, reference)
+
+
+def test_slot_cache_writes_compacted_rows_and_scratch_is_invisible():
+    cache = SlotCache(capacity=6)
+    cache.reset(2, torch.device("cpu"))
+    valid = torch.tensor([[False, True, True], [True, False, False]])
+    positions = torch.tensor([[0, 0, 1], [0, 1, 2]])
+    cache.prepare(valid, positions)
+    key = torch.arange(2 * 3, dtype=torch.float).view(2, 1, 3, 1)
+    keys, _ = cache.update(key, key, 0)
+    assert cache.lengths.tolist() == [2, 1]
+    # row 0: its two valid slots land at 0 and 1; row 1: one slot at 0; invalid slots go to the scratch column 6
+    assert keys[0, 0, :2, 0].tolist() == [1.0, 2.0] and keys[1, 0, 0, 0].item() == 3.0
+    assert cache.valid().tolist() == [[True, True] + [False] * 5, [True] + [False] * 6]
+    assert cache.visible_positions()[:, -1].tolist() == [FAR, FAR]
+    saved = cache.lengths.clone()
+    cache.prepare(torch.ones(2, 1, dtype=torch.bool), torch.tensor([[2], [1]]))
+    cache.update(key[:, :, :1], key[:, :, :1], 0)
+    assert cache.lengths.tolist() == [3, 2]
+    cache.lengths.copy_(saved)  # rollback is just the lengths
+    assert cache.valid().sum(-1).tolist() == [2, 1]
+
+
+def test_graph_call_runs_eagerly_without_cuda():
+    calls = []
+
+    def fn(x):
+        calls.append(1)
+        return x * 2
+
+    call = CUDAGraphCall(fn, lambda: [])
+    assert torch.equal(call(torch.ones(3)), torch.full((3,), 2.0)) and calls == [1] and call.replays == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (scripts/gpu_check.py runs this)")
+def test_cuda_graph_replay_matches_eager(targets):
+    target = targets["qwen3_5"].cuda()
+    prompt = torch.tensor([[5, 17, 42, 9, 77, 3, 64]], device="cuda")
+    reference = greedy_reference(target, prompt)
+    dual = draft_for(target).cuda()
+    eager = FastDMTPDrafter(dual, dual.native_mtp, cuda_graphs=False)
+    graphed = FastDMTPDrafter(dual, dual.native_mtp, cuda_graphs=True)
+    out_e, _, proposals_e = _run(target, prompt, eager, reference, seed=2)
+    out_g, _, proposals_g = _run(target, prompt, graphed, reference, seed=2)
+    assert torch.equal(out_g, reference) and torch.equal(out_e, out_g)
+    assert all(torch.equal(a, b) for a, b in zip(proposals_e, proposals_g))
+    assert graphed._advance.replays > 0 and graphed._draft_block.replays > 0
