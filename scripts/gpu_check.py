@@ -153,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         target, tokenizer, dmtp, dflash, description = load_models(args, device, dtype, Path(tmp))
+        dmtp.native_mtp.to(device=device, dtype=dtype)  # read the MTP tensors while the checkpoint exists
     vocab = target.config.get_text_config().vocab_size
     prompts = build_prompts(tokenizer, args.prompts, vocab, device)
     eos = eos_token_ids(target, tokenizer) if tokenizer is not None else None

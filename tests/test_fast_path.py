@@ -165,3 +165,22 @@ def test_cuda_graph_replay_matches_eager(targets):
     assert torch.equal(out_g, reference) and torch.equal(out_e, out_g)
     assert all(torch.equal(a, b) for a, b in zip(proposals_e, proposals_g))
     assert graphed._advance.replays > 0 and graphed._draft_block.replays > 0
+
+
+def test_gpu_check_script_dry_run_on_cpu(tmp_path, capsys):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    output = tmp_path / "check.json"
+    argv = ["--device", "cpu", "--random-target", "64x3", "--prompts", "2", "--max-new-tokens", "8"]
+    assert module.main([*argv, "--output", str(output)]) == 0
+    report = json.loads(output.read_text())
+    assert all(r["graph_equals_eager"] == r["prompts"] == 2 for r in report["correctness"].values())
+    assert {"dmtp (fast)", "dmtp (dynamic, eager)"} <= set(report["stages_ms_per_round"])
+    assert report["tokens_per_second"]["generate"] > 0
+    assert "[PASS] dmtp" in capsys.readouterr().out
