@@ -134,8 +134,8 @@ def eval_run(models_dir, tmp_path_factory):
 
     build = eval_models.build_strategies
 
-    def build_with_oracle(labels, target, paths):
-        strategies = build(labels, target, paths)
+    def build_with_oracle(labels, target, paths, **kwargs):
+        strategies = build(labels, target, paths, **kwargs)
         for seed, strategy in enumerate(strategies):
             strategy.drafter = TargetOracle(strategy.drafter, target, seed)
         return strategies

@@ -82,6 +82,11 @@ def _add_common(parser: argparse.ArgumentParser, default_output: str) -> None:
     work.add_argument("--no-chat-template", action="store_true", help="feed raw prompts (no chat template)")
     work.add_argument("--enable-thinking", action="store_true", help="render the chat template with thinking on")
     work.add_argument("--seed", type=int, default=0)
+    work.add_argument(
+        "--fast-path",
+        action="store_true",
+        help="fixed-slot drafters (CUDA graphs on GPU for greedy rounds); same tokens as the default path",
+    )
     parser.add_argument("--output-dir", type=Path, default=Path(default_output))
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
@@ -110,7 +115,9 @@ def add_subcommands(sub) -> None:
         "bench", help="end-to-end throughput vs plain generate, prompt lookup, use_mtp and assisted decoding"
     )
     _add_common(bench, "outputs/bench")
-    bench.add_argument("--batch-sizes", type=_int_list, default=[1], help="e.g. 1,2,4 (speculative methods: 1 only)")
+    bench.add_argument(
+        "--batch-sizes", type=_int_list, default=[1], help="e.g. 1,2,4 (Transformers' assisted decoding: 1 only)"
+    )
     bench.add_argument("--assistant", help="small assistant model for Transformers' assisted decoding")
     bench.add_argument("--prompt-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens (default 10)")
     bench.add_argument("--repeats", type=int, default=1, help="repeat the workload (interleaved) N times")
@@ -166,7 +173,7 @@ def _load(args: argparse.Namespace) -> dict[str, Any]:
     device, dtype = resolve_device_dtype(args.device, args.dtype)
     target = load_target(paths.target, device, dtype)
     tokenizer = load_tokenizer(paths.tokenizer or paths.target)
-    strategies = build_strategies(labels, target, paths)
+    strategies = build_strategies(labels, target, paths, fast_path=args.fast_path)
     return {
         "settings": settings,
         "prompt_sets": prompt_sets,

@@ -183,12 +183,14 @@ def parse_strategies(spec: str | None, paths: ModelPaths) -> list[str]:
     return labels
 
 
-def build_strategies(labels: list[str], target, paths: ModelPaths) -> list[Strategy]:
+def build_strategies(labels: list[str], target, paths: ModelPaths, fast_path: bool = False) -> list[Strategy]:
     """Load the drafts the labels need (bound to ``target``) and build one :class:`Strategy` per label.
 
     All strategies share the target's native MTP head (loaded once from the target checkpoint); runs are
-    sequential and every request re-initialises the drafter state, so sharing is safe.
+    sequential and every request re-initialises the drafter state, so sharing is safe. ``fast_path`` builds the
+    fixed-slot drafters (CUDA graphs on GPU; same tokens).
     """
+    from ..assistant.fast_path import FastDFlashDrafter, FastDMTPDrafter, FastMTPDrafter
     from ..modeling import DMTPDraftModel, load_native_mtp
     from ..modeling.native_mtp.loading import MissingMTPTensorsError
 
@@ -214,7 +216,9 @@ def build_strategies(labels: list[str], target, paths: ModelPaths) -> list[Strat
         match = MTP_STRATEGY.match(label)
         if match:
             steps = int(match.group(1))
-            strategies.append(Strategy(label, "mtp", MTPDrafter(native_mtp(), steps), None, {"mtp_steps": steps}))
+            drafter = FastMTPDrafter(native_mtp(), steps) if fast_path else MTPDrafter(native_mtp(), steps)
+            details = {"mtp_steps": steps, "fast_path": fast_path}
+            strategies.append(Strategy(label, "mtp", drafter, None, details))
             continue
         if label == "dmtp":
             path = paths.draft
@@ -234,8 +238,15 @@ def build_strategies(labels: list[str], target, paths: ModelPaths) -> list[Strat
             path = paths.extra_drafts[label]
             draft = load_draft(path)
         kind = "dflash" if draft.config.anchor_layout == "dflash" else "dmtp"
-        drafter = DFlashDrafter(draft) if kind == "dflash" else DMTPDrafter(draft, draft.native_mtp)
+        if kind == "dflash":
+            drafter = FastDFlashDrafter(draft) if fast_path else DFlashDrafter(draft)
+        else:
+            drafter = FastDMTPDrafter(draft, draft.native_mtp) if fast_path else DMTPDrafter(draft, draft.native_mtp)
         cfg = draft.config
-        details = {"anchor_layout": cfg.anchor_layout, "fusion": None if kind == "dflash" else cfg.fusion}
+        details = {
+            "anchor_layout": cfg.anchor_layout,
+            "fusion": None if kind == "dflash" else cfg.fusion,
+            "fast_path": fast_path,
+        }
         strategies.append(Strategy(label, kind, drafter, path, details))
     return strategies

@@ -6,9 +6,10 @@ MTP-k (``dmtp_hf.generate``); Transformers' prompt-lookup decoding, ``use_mtp=Tr
 DeepSeek-V3/GLM-style heads) and assisted decoding with a small ``--assistant``. A method Transformers or the
 engine cannot run here is kept as a row with the reason (e.g. assisted decoding on a stateful hybrid target).
 
-Speculative methods run at batch size 1 (the engine's and Transformers' assisted decoding's limit for now); plain
-``generate`` runs batched (left padding). To spread machine noise evenly, methods are interleaved per prompt chunk
-(rotating their order) and the workload can be repeated; one warm-up call per method precedes all timing.
+Plain ``generate`` and our strategies run batched (left padding, ragged acceptance); Transformers' assisted
+decoding methods run at batch size 1 (their limit). To spread machine noise evenly, methods are interleaved per
+prompt chunk (rotating their order) and the workload can be repeated; one warm-up call per method precedes all
+timing.
 """
 
 from __future__ import annotations
