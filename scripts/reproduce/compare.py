@@ -1,0 +1,283 @@
+"""The bundled comparison, one command: native MTP-1..4, DFlash, DMTP and DMTP-from-DFlash on the bundled target.
+
+    python scripts/reproduce/compare.py                       # reports/bundled/: README.md, JSON, PNG plots
+    python scripts/reproduce/compare.py --limit 4 --max-new-tokens 16 --output-dir /tmp/smoke   # quick smoke run
+
+1. ``dmtp eval`` on held-out code requests, held-out chats (``outputs/corpus/bench``, rebuilt by
+   ``build_corpus.py``) and MT-Bench (two turns, out of distribution), ``--limit`` prompts each: acceptance length
+   per request and per verify, first-candidate acceptance, position-wise acceptance, and wall-clock speedup over
+   plain ``target.generate`` timed on the same turns. The prompt sets are split over ``--workers`` single-threaded
+   processes (each times its own baseline, so every ratio is measured under one process's conditions) and merged
+   with ``dmtp eval --report-only``.
+2. ``dmtp bench`` on the first-turn prompts of code and MT-Bench at batch sizes 1, 2, 4 (throughput vs batch).
+3. ``README.md``: the summary table (per workload and method), DMTP vs DFlash, parameter budgets, training budget,
+   and the plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+MODELS = REPO / "src" / "dmtp_hf" / "bundled" / "models"
+BENCH = REPO / "outputs" / "corpus" / "bench"
+DRAFTS = {"dmtp": "dmtp", "dflash": "dflash", "dmtp-from-dflash": "dmtp_from_dflash"}
+METHODS = ["mtp1", "mtp2", "mtp3", "mtp4", "dflash", "dmtp", "dmtp-from-dflash"]
+
+
+def _dmtp(*args: str) -> list[str]:
+    return [sys.executable, "-m", "dmtp_hf.cli", *args]
+
+
+def _models(args) -> list[str]:
+    return [
+        "--target", str(args.models / "target"),
+        "--draft", str(args.models / DRAFTS["dmtp"]),
+        "--dflash-draft", str(args.models / DRAFTS["dflash"]),
+        "--extra-draft", f"dmtp-from-dflash={args.models / DRAFTS['dmtp-from-dflash']}",
+    ]  # fmt: skip
+
+
+def run_eval(args, out: Path) -> dict:
+    """Acceptance + speedup over the three workloads, split over worker processes, merged."""
+    workloads = [
+        ["--datasets", "mt_bench"],
+        ["--datasets", "none", "--prompts", str(BENCH / "code_question.jsonl"),
+         "--prompts", str(BENCH / "chat_question.jsonl")],
+    ]  # fmt: skip
+    if args.workers == 1:
+        workloads = [[*workloads[1], "--datasets", "mt_bench"]]
+    common = [
+        *_models(args),
+        "--strategies", ",".join(METHODS),
+        "--limit", str(args.limit),
+        "--max-new-tokens", str(args.max_new_tokens),
+        "--no-progress",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, args.threads // len(workloads))), "OMP_WAIT_POLICY": "PASSIVE"}
+    procs, parts = [], []
+    for index, workload in enumerate(workloads):
+        part = out / "parts" / f"part{index}"
+        part.mkdir(parents=True, exist_ok=True)
+        log = open(part / "eval.log", "w")  # noqa: SIM115 - closed after the process ends
+        command = _dmtp("eval", *common, *workload, "--output-dir", str(part))
+        procs.append((subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env), log, part))
+        parts.append(part / "eval.json")
+    for proc, log, part in procs:
+        if proc.wait() != 0:
+            raise SystemExit(f"eval worker failed, see {part / 'eval.log'}")
+        log.close()
+    subprocess.run(_dmtp("eval", "--report-only", *map(str, parts), "--output-dir", str(out)), check=True)
+    return json.loads((out / "eval.json").read_text())
+
+
+def run_bench(args, out: Path) -> dict:
+    """Throughput of plain generate, DMTP, DFlash and MTP-1 at batch sizes 1, 2, 4."""
+    command = _dmtp(
+        "bench", *_models(args),
+        "--strategies", "dmtp,dflash,dmtp-from-dflash,mtp1",
+        "--datasets", "mt_bench", "--prompts", str(BENCH / "code_question.jsonl"),
+        "--limit", str(args.bench_limit), "--max-new-tokens", str(args.max_new_tokens),
+        "--batch-sizes", "1,2,4", "--no-progress", "--output-dir", str(out),
+    )  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "OMP_WAIT_POLICY": "PASSIVE"}
+    with open(out / "bench.log", "w") as log:
+        subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT, env=env)
+    return json.loads((out / "bench.json").read_text())
+
+
+def parameter_counts(models: Path) -> dict[str, int]:
+    """Parameters of the target (body and MTP head) and of each draft, from the safetensors headers."""
+    from safetensors import safe_open
+
+    def count(folder: Path, predicate=lambda name: True) -> int:
+        total = 0
+        for file in sorted(folder.glob("*.safetensors")):
+            with safe_open(str(file), "pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                    if predicate(name):
+                        total += _numel(f.get_slice(name).get_shape())
+        return total
+
+    counts = {
+        "target (without MTP head)": count(models / "target", lambda n: not n.startswith("mtp.")),
+        "native MTP head": count(models / "target", lambda n: n.startswith("mtp.")),
+    }
+    for label, folder in DRAFTS.items():
+        counts[f"{label} draft"] = count(models / folder)
+    return counts
+
+
+def _numel(shape) -> int:
+    total = 1
+    for size in shape:
+        total *= int(size)
+    return total
+
+
+def training_budget(models: Path) -> dict[str, dict]:
+    """What each bundled draft's ``training.json`` says (steps, tokens, CPU time, data)."""
+    budget = {}
+    for label, folder in DRAFTS.items():
+        path = models / folder / "training.json"
+        if path.is_file():
+            budget[label] = json.loads(path.read_text())
+    return budget
+
+
+def _f(value, digits=2) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def summary_markdown(evaluation: dict, bench: dict | None, counts: dict[str, int], budget: dict, args) -> str:
+    """The report page: one table per workload, DMTP vs DFlash, budgets, plots."""
+    settings = evaluation["settings"]
+    labels = [s["label"] for s in evaluation["strategies"]]
+    rows = [(d["name"], d["display_name"], d["num_prompts"], d["num_turns"]) for d in evaluation["datasets"]]
+    lines = [
+        "# Bundled comparison: native MTP vs DFlash vs DMTP on a small Qwen3.5-architecture target",
+        "",
+        f"Generated by `python scripts/reproduce/compare.py --limit {args.limit} --max-new-tokens "
+        f"{args.max_new_tokens}` on {evaluation['environment'].get('device', 'cpu')} "
+        f"({evaluation['created']}). Greedy (T=0), target chat template, thinking disabled, up to "
+        f"{settings['max_new_tokens']} new tokens per turn, stop at EOS; MT-Bench answered turn by turn. Every "
+        "method produced exactly plain `generate`'s tokens: "
+        f"{'yes' if all(evaluation['outputs_identical'].values()) else 'NO: ' + str(evaluation['outputs_identical'])}.",
+        "",
+        "## Models and budgets",
+        "",
+        "| Model | Parameters |",
+        "| --- | --- |",
+        *[f"| {name} | {value / 1e6:.2f}M |" for name, value in counts.items()],
+        "",
+    ]
+    if budget:
+        lines += [
+            "Drafts were trained with the project's trainer on the same target-regenerated data with the same steps "
+            "and hyperparameters (`configs/bundled-*.yaml`); DMTP-from-DFlash continues from the DFlash baseline's "
+            "final weights with a zero-initialised fusion.",
+            "",
+            "| Draft | Init | Steps | Micro-batch x processes | Train samples | CPU wall time | Final eval loss |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for label, info in budget.items():
+            lines.append(
+                f"| {label} | {info.get('init', 'scratch')} | {info.get('steps')} | {info.get('batch')} | "
+                f"{info.get('train_samples')} | {info.get('wall_minutes', 0):.0f} min | "
+                f"{_f(info.get('eval_loss'), 3)} |"
+            )
+        lines.append("")
+    lines += [
+        "## Summary",
+        "",
+        "Acceptance length τ per request (per verify) · first-candidate acceptance · wall-clock speedup over plain "
+        "`generate` (batch size 1, same run, same turns).",
+        "",
+        "| Workload | " + " | ".join(labels) + " |",
+        "| --- | " + " | ".join("---" for _ in labels) + " |",
+    ]
+    for key, display, prompts, turns in [*rows, ("overall", "All", None, None)]:
+        entries = evaluation["overall"] if key == "overall" else evaluation["results"][key]
+        cells = []
+        for label in labels:
+            e = entries[label]
+            cells.append(
+                f"{_f(e['acceptance_length_per_request'])} ({_f(e['acceptance_length_per_verify'])}) · "
+                f"{100 * (e['first_candidate_acceptance'] or 0):.1f}% · {_f(e.get('speedup'))}×"
+            )
+        name = display if prompts is None else f"{display} ({prompts} prompts, {turns} turns)"
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "### DMTP vs DFlash", ""]
+    lines += [
+        "| Workload | τ DFlash | τ DMTP | gain | τ DMTP-from-DFlash | gain | first-cand. DFlash → DMTP | speedup "
+        "DFlash / DMTP / DMTP-from-DFlash |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for key, display, *_ in [*rows, ("overall", "All")]:
+        entries = evaluation["overall"] if key == "overall" else evaluation["results"][key]
+        d, m, c = entries["dflash"], entries["dmtp"], entries["dmtp-from-dflash"]
+        tau = "acceptance_length_per_request"
+        lines.append(
+            f"| {display} | {_f(d[tau])} | {_f(m[tau])} | {100 * (m[tau] / d[tau] - 1):+.1f}% | {_f(c[tau])} | "
+            f"{100 * (c[tau] / d[tau] - 1):+.1f}% | {100 * d['first_candidate_acceptance']:.1f}% → "
+            f"{100 * m['first_candidate_acceptance']:.1f}% | {_f(d.get('speedup'))}× / {_f(m.get('speedup'))}× / "
+            f"{_f(c.get('speedup'))}× |"
+        )
+    lines += [
+        "",
+        "![acceptance length](acceptance_length.png)",
+        "",
+        "![cumulative position-wise acceptance](position_acceptance.png)",
+        "",
+        "![acceptance histogram](acceptance_histogram.png)",
+        "",
+    ]
+    if bench is not None:
+        sizes = bench["settings"]["batch_sizes"]
+        lines += [
+            "## Throughput vs batch size (`dmtp bench`)",
+            "",
+            f"First turns of MT-Bench and held-out code, {bench['settings'].get('num_prompts', '')} prompts, "
+            "output tokens / wall time of the workload (prefill included), ratio to plain `generate` at the same "
+            "batch size.",
+            "",
+            "| Method | " + " | ".join(f"B={b}" for b in sizes) + " |",
+            "| --- | " + " | ".join("---" for _ in sizes) + " |",
+        ]
+        for method in bench["baselines"]:
+            cells = []
+            for b in sizes:
+                m = method["results"].get(str(b))
+                cells.append("—" if not m else f"{m['tokens_per_second']:.1f} tok/s ({m['speedup']:.2f}×)")
+            note = f" ({method['skipped']})" if method.get("skipped") else ""
+            lines.append(f"| {method['name']}{note} | " + " | ".join(cells) + " |")
+        lines += ["", "![throughput](throughput.png)", ""]
+    lines += [
+        "Full tables (per-verify τ, conditional acceptance, per-dataset counts): [eval.md](eval.md); raw data: "
+        "[eval.json](eval.json)" + (", [bench.json](bench.json)." if bench is not None else "."),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run eval (and bench) on the bundled models and write the report."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", type=Path, default=MODELS, help="folder with target/, dmtp/, dflash/, ...")
+    parser.add_argument("--limit", type=int, default=80)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--bench-limit", type=int, default=16, help="prompts per set for dmtp bench")
+    parser.add_argument("--workers", type=int, default=2, choices=[1, 2])
+    parser.add_argument("--threads", type=int, default=2, help="CPU threads in total")
+    parser.add_argument("--skip-bench", action="store_true")
+    parser.add_argument("--report-only", action="store_true", help="rebuild README.md from the saved JSON")
+    parser.add_argument("--output-dir", type=Path, default=REPO / "reports" / "bundled")
+    args = parser.parse_args(argv)
+    out = args.output_dir
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    if args.report_only:
+        evaluation = json.loads((out / "eval.json").read_text())
+        bench = json.loads((out / "bench.json").read_text()) if (out / "bench.json").is_file() else None
+    else:
+        for needed in ("code_question.jsonl", "chat_question.jsonl"):
+            if not (BENCH / needed).is_file():
+                raise SystemExit(f"{BENCH / needed} is missing: run scripts/reproduce/build_corpus.py first")
+        evaluation = run_eval(args, out)
+        print(f"eval done in {(time.time() - started) / 60:.1f} min", flush=True)
+        bench = None if args.skip_bench else run_bench(args, out)
+        print(f"eval + bench done in {(time.time() - started) / 60:.1f} min", flush=True)
+    report = summary_markdown(evaluation, bench, parameter_counts(args.models), training_budget(args.models), args)
+    (out / "README.md").write_text(report)
+    print(report)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
