@@ -401,6 +401,12 @@ def test_resume_after_kill_gives_the_same_weights(tmp_path, target):
     assert resumed.history[0]["step"] == 3  # resumed at step 2
     weights = draft_weights(resumed.draft)
     assert all(torch.equal(weights[k], v) for k, v in uninterrupted.items())
+    # the exported record counts the killed run's time too (checkpointed) and says what produced the weights
+    record = json.loads((tmp_path / "killed" / "final" / "training.json").read_text())
+    assert record["steps"] == 6 and record["train_samples"] == 12 and record["anchor_layout"] == "dual"
+    checkpoints = sorted((tmp_path / "killed" / "checkpoints").iterdir())
+    first = json.loads((checkpoints[0] / "trainer_state.json").read_text())
+    assert 0 < first["train_seconds"] < record["train_seconds"]
 
 
 def test_dflash_checkpoint_with_zero_fusion_starts_at_dflash_with_t1_loss(tmp_path, target, mtp_head):

@@ -421,6 +421,8 @@ class Trainer:
         acc.register_for_checkpointing(self.scheduler)
         self.step = 0
         self.history: list[dict[str, float]] = []
+        self.train_seconds = 0.0  # wall time of all runs so far (checkpointed, so resumed runs add up)
+        self.last_eval: dict[str, float] | None = None
         self._checked_frozen = False
 
     # ------------------------------------------------------------------------------------------------------------
@@ -511,10 +513,10 @@ class Trainer:
         if config.report_to != "none":
             acc.init_trackers("dmtp", config={k: str(v) for k, v in config.to_dict().items()})
         if config.eval_every and self.eval_dataset is not None and self.step == 0:
-            acc.log({f"eval/{k}": v for k, v in self.evaluate().items()}, step=0)
+            acc.log({f"eval/{k}": v for k, v in self._evaluate_and_keep().items()}, step=0)
 
         bar = tqdm(total=self.total_steps, initial=self.step, desc="train", disable=not acc.is_main_process)
-        start = time.perf_counter()
+        start = run_start = time.perf_counter()
         while self.step < self.total_steps:
             metrics = self.train_step()
             self.step += 1
@@ -525,7 +527,9 @@ class Trainer:
             if self.step % config.log_every == 0 or self.step == self.total_steps:
                 acc.log({f"train/{k}": v for k, v in metrics.items() if k != "step"}, step=self.step)
             if config.eval_every and self.eval_dataset is not None and self.step % config.eval_every == 0:
-                acc.log({f"eval/{k}": v for k, v in self.evaluate().items()}, step=self.step)
+                acc.log({f"eval/{k}": v for k, v in self._evaluate_and_keep().items()}, step=self.step)
+            self.train_seconds += time.perf_counter() - start
+            start = time.perf_counter()
             if config.save_every and self.step % config.save_every == 0:
                 self.save_checkpoint()
             for callback in callbacks:
@@ -535,7 +539,7 @@ class Trainer:
             self.save_checkpoint()
         self.export(Path(config.output_dir) / "final")
         if acc.is_main_process:
-            elapsed = time.perf_counter() - start
+            elapsed = time.perf_counter() - run_start
             print(f"trained {self.total_steps} steps on {acc.num_processes} process(es) in {elapsed:.1f}s")
         acc.end_training()
         return self.history
@@ -627,7 +631,13 @@ class Trainer:
             with atomic_directory(final) as tmp:
                 os.replace(partial, tmp / "state")
                 self._save_draft(tmp / "model", state_dict)
-                state = {"step": self.step, "total_steps": self.total_steps, "config": self.config.to_dict()}
+                state = {
+                    "step": self.step,
+                    "total_steps": self.total_steps,
+                    "train_seconds": self.train_seconds,
+                    "last_eval": self.last_eval,
+                    "config": self.config.to_dict(),
+                }
                 (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
             self._prune_checkpoints()
         acc.wait_for_everyone()
@@ -642,12 +652,36 @@ class Trainer:
         weights = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
         unwrapped.save_pretrained(directory, state_dict=weights)
 
+    def _evaluate_and_keep(self) -> dict[str, float]:
+        self.last_eval = {"step": self.step, **self.evaluate()}
+        return self.last_eval
+
+    def training_record(self) -> dict[str, Any]:
+        """What produced the current weights (written as ``training.json`` next to exported checkpoints)."""
+        config = self.config
+        return {
+            "steps": self.step,
+            "num_processes": self.accelerator.num_processes,
+            "micro_batch_size": config.micro_batch_size,
+            "global_batch_size": self.schedule.global_batch_size,
+            "train_samples": len(self.train_dataset),
+            "train_seconds": self.train_seconds,
+            "init_from": config.init_from,
+            "anchor_layout": self.draft.config.anchor_layout,
+            "fusion": self.draft.config.fusion,
+            "trainable_parameters": sum(p.numel() for p in self.objective.parameters() if p.requires_grad),
+            "last_eval": self.last_eval,
+            "config": config.to_dict(),
+        }
+
     def export(self, directory: str | os.PathLike) -> None:
-        """Write the current draft as a plain `DMTPDraftModel` checkpoint (LoRA merged), atomically."""
+        """Write the current draft as a plain `DMTPDraftModel` checkpoint (LoRA merged) plus ``training.json``,
+        atomically."""
         state_dict = self.accelerator.get_state_dict(self.objective)
         if self.accelerator.is_main_process:
             with atomic_directory(directory) as tmp:
                 self._save_draft(tmp, state_dict)
+                (tmp / "training.json").write_text(json.dumps(self.training_record(), indent=2) + "\n")
         self.accelerator.wait_for_everyone()
 
     def _prune_checkpoints(self) -> None:
@@ -672,6 +706,8 @@ class Trainer:
         state = json.loads((directory / "trainer_state.json").read_text())
         self.accelerator.load_state(str(directory / "state"))
         self.step = int(state["step"])
+        self.train_seconds = float(state.get("train_seconds", 0.0))
+        self.last_eval = state.get("last_eval")
         if self.accelerator.is_main_process:
             print(f"resumed from {directory} at step {self.step}")
 
