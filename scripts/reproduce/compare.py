@@ -46,10 +46,17 @@ def _models(args) -> list[str]:
 
 def run_eval(args, out: Path) -> dict:
     """Acceptance + speedup over the three workloads, split over worker processes, merged."""
+    # Prompt files are named after what they hold (the report names a set by its file name).
+    named = out / "parts" / "prompts"
+    named.mkdir(parents=True, exist_ok=True)
+    for name, source in (("held-out-code", "code_question.jsonl"), ("held-out-chat", "chat_question.jsonl")):
+        link = named / f"{name}.jsonl"
+        link.unlink(missing_ok=True)
+        link.symlink_to(BENCH / source)
     workloads = [
         ["--datasets", "mt_bench"],
-        ["--datasets", "none", "--prompts", str(BENCH / "code_question.jsonl"),
-         "--prompts", str(BENCH / "chat_question.jsonl")],
+        ["--datasets", "none", "--prompts", str(named / "held-out-code.jsonl"),
+         "--prompts", str(named / "held-out-chat.jsonl")],
     ]  # fmt: skip
     if args.workers == 1:
         workloads = [[*workloads[1], "--datasets", "mt_bench"]]

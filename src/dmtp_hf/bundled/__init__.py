@@ -12,9 +12,9 @@ from pathlib import Path
 __all__ = ["BUNDLED_MODELS", "MODELS_DIR", "NotBuiltError", "default_paths"]
 
 MODELS_DIR = Path(__file__).resolve().parent / "models"
-# Name -> folder under MODELS_DIR: the target (with its `mtp.*` tensors and tokenizer), a DMTP draft and the DFlash
-# baseline draft trained on that target.
-BUNDLED_MODELS = {"target": "target", "dmtp": "dmtp", "dflash": "dflash"}
+# Name -> folder under MODELS_DIR: the target (with its `mtp.*` tensors and tokenizer), the DMTP draft, the DFlash
+# baseline draft, and DMTP continued from the DFlash baseline, all trained on that target.
+BUNDLED_MODELS = {"target": "target", "dmtp": "dmtp", "dflash": "dflash", "dmtp_from_dflash": "dmtp_from_dflash"}
 
 
 class NotBuiltError(FileNotFoundError):
@@ -22,7 +22,7 @@ class NotBuiltError(FileNotFoundError):
 
 
 def default_paths(names: tuple[str, ...] | None = None) -> dict[str, Path]:
-    """Paths of the bundled checkpoints, keyed ``target``, ``dmtp``, ``dflash`` (or only ``names``).
+    """Paths of the bundled checkpoints, keyed ``target``, ``dmtp``, ``dflash``, ``dmtp_from_dflash`` (or ``names``).
 
     Raises:
         NotBuiltError: (a `FileNotFoundError`) when one of them has no ``config.json`` yet.

@@ -49,10 +49,12 @@ def _bundled_defaults() -> tuple[Mapping[str, Any] | None, str]:
             for key in ("target", "dmtp", "draft", "dflash", "dflash_draft")
             if hasattr(paths, key)
         }
+    extra = {"dmtp-from-dflash": paths["dmtp_from_dflash"]} if paths.get("dmtp_from_dflash") else {}
     return {
         "target": paths.get("target"),
         "draft": paths.get("dmtp", paths.get("draft")),
         "dflash_draft": paths.get("dflash", paths.get("dflash_draft")),
+        "extra_drafts": extra,
     }, ""
 
 
@@ -81,6 +83,8 @@ def resolve_model_paths(
             paths.target = str(defaults["target"])
             paths.draft = paths.draft or _optional(defaults.get("draft"))
             paths.dflash_draft = paths.dflash_draft or _optional(defaults.get("dflash_draft"))
+            for label, path in (defaults.get("extra_drafts") or {}).items():
+                paths.extra_drafts.setdefault(label, str(path))
     return paths
 
 
