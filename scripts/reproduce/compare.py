@@ -170,14 +170,18 @@ def summary_markdown(evaluation: dict, bench: dict | None, counts: dict[str, int
             "and hyperparameters (`configs/bundled-*.yaml`); DMTP-from-DFlash continues from the DFlash baseline's "
             "final weights with a zero-initialised fusion.",
             "",
-            "| Draft | Init | Steps | Micro-batch x processes | Train samples | CPU wall time | Final eval loss |",
-            "| --- | --- | --- | --- | --- | --- | --- |",
+            "| Draft | Init | Steps | Micro-batch x processes | Train samples | CPU wall time | Held-out loss | "
+            "Held-out τ (teacher-forced, simulated) |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for label, info in budget.items():
+            last = info.get("last_eval") or {}
+            init = Path(info["init_from"]).parent.name if info.get("init_from") else "scratch"
             lines.append(
-                f"| {label} | {info.get('init', 'scratch')} | {info.get('steps')} | {info.get('batch')} | "
-                f"{info.get('train_samples')} | {info.get('wall_minutes', 0):.0f} min | "
-                f"{_f(info.get('eval_loss'), 3)} |"
+                f"| {label} | {init} | {info.get('steps')} | {info.get('micro_batch_size')} x "
+                f"{info.get('num_processes')} | {info.get('train_samples')} | "
+                f"{info.get('train_seconds', 0) / 60:.0f} min | {_f(last.get('loss'), 3)} | "
+                f"{_f(last.get('accept_len'), 2)} |"
             )
         lines.append("")
     lines += [
