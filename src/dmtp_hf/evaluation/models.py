@@ -109,9 +109,9 @@ def load_target(path: str, device: torch.device, dtype: torch.dtype):
     The MTP ignore regex is fitted to the checkpoint's depth (Transformers hard-codes the release depth for
     DeepSeek-V3/GLM); that is also where Transformers' ``MtpModel`` (``use_mtp=True``) finds the MTP tensors.
     """
-    from ..testing.tiny_targets import load_tiny_target  # generic despite the name: fits the regex to any depth
+    from ..modeling.native_mtp import load_target_checkpoint
 
-    target = load_tiny_target(path, dtype=dtype)
+    target = load_target_checkpoint(path, dtype=dtype)
     return target.to(device).eval()
 
 

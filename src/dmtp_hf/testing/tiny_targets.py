@@ -38,14 +38,15 @@ from __future__ import annotations
 import copy
 import json
 import math
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
+from transformers import PreTrainedConfig, PreTrainedModel
+
+from ..modeling.native_mtp.loading import load_target_checkpoint, mtp_ignore_patterns  # noqa: F401 (re-export)
 
 __all__ = [
     "FAMILIES",
@@ -403,49 +404,6 @@ def make_tiny_target(
     return path
 
 
-def mtp_ignore_patterns(config: PreTrainedConfig) -> list[str] | None:
-    """Regexes matching the MTP keys of a tiny DeepSeek/GLM/MiMo checkpoint (None: the class's own are right).
-
-    Transformers hard-codes DeepSeek-V3's as ``model\\.layers\\.61.*`` and GLM's as ``model\\.layers\\.92.*`` /
-    ``model\\.layers\\.46.*``; a tiny target has its MTP layer at ``model.layers.{num_hidden_layers}``.
-    """
-    text_config = config.get_text_config(decoder=True)
-    if text_config.model_type in ("deepseek_v3", "glm4_moe"):
-        return [rf"model\.layers\.{text_config.num_hidden_layers}\..*"]
-    if "MiMoForCausalLM" in (getattr(config, "architectures", None) or ()):
-        return [r"model\.mtp_layers\..*"]
-    return None
-
-
-@contextmanager
-def _ignore_on_load(model_class: type, patterns: list[str] | None):
-    """Temporarily set ``model_class._keys_to_ignore_on_load_unexpected`` (restored afterwards)."""
-    if patterns is None:
-        yield
-        return
-    had_own = "_keys_to_ignore_on_load_unexpected" in model_class.__dict__
-    previous = model_class.__dict__.get("_keys_to_ignore_on_load_unexpected")
-    model_class._keys_to_ignore_on_load_unexpected = patterns
-    try:
-        yield
-    finally:
-        if had_own:
-            model_class._keys_to_ignore_on_load_unexpected = previous
-        else:
-            del model_class._keys_to_ignore_on_load_unexpected
-
-
 def load_tiny_target(path: str | Path, **kwargs: Any) -> PreTrainedModel:
-    """``AutoModelForCausalLM.from_pretrained(path)`` with the MTP ignore regex fitted to the tiny depth.
-
-    The returned instance keeps the fitted ``_keys_to_ignore_on_load_unexpected`` (see `mtp_ignore_patterns`), which
-    is where Transformers' ``MtpModel.from_pretrained`` looks for the MTP keys.
-    """
-    config = AutoConfig.from_pretrained(path)
-    patterns = mtp_ignore_patterns(config)
-    model_class = AutoModelForCausalLM._model_mapping[type(config)]
-    with _ignore_on_load(model_class, patterns):
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    if patterns is not None:
-        model._keys_to_ignore_on_load_unexpected = patterns
-    return model.eval()
+    """A tiny target checkpoint loaded for tests (`dmtp_hf.modeling.native_mtp.load_target_checkpoint`)."""
+    return load_target_checkpoint(path, **kwargs)

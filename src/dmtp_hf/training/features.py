@@ -66,7 +66,8 @@ def load_target(
     (`dmtp_hf.testing.tiny_targets`) for smoke tests. MTP tensors are skipped silently, including at the tiny depths
     where Transformers' hard-coded ignore patterns do not match.
     """
-    from ..testing.tiny_targets import load_tiny_target, make_tiny_target
+    from ..modeling.native_mtp import load_target_checkpoint
+    from ..testing.tiny_targets import make_tiny_target
 
     path = str(path)
     if path.startswith("tiny:"):
@@ -78,7 +79,7 @@ def load_target(
     kwargs: dict[str, Any] = {"dtype": dtype}
     if device is not None:
         kwargs["device_map"] = device
-    target = load_tiny_target(path, **kwargs)  # == AutoModelForCausalLM.from_pretrained + MTP ignore patterns
+    target = load_target_checkpoint(path, **kwargs)  # AutoModelForCausalLM.from_pretrained + fitted MTP ignore
     return freeze(target)
 
 

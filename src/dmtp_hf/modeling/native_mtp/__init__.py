@@ -19,7 +19,13 @@ from .layouts import (
     registered_mtp_layouts,
     resolve_mtp_layout,
 )
-from .loading import MissingMTPTensorsError, NoNativeMTPError, load_native_mtp, read_mtp_tensors
+from .loading import (
+    MissingMTPTensorsError,
+    NoNativeMTPError,
+    load_native_mtp,
+    load_target_checkpoint,
+    read_mtp_tensors,
+)
 
 __all__ = [
     "HIDDEN_INPUTS",
@@ -34,6 +40,7 @@ __all__ = [
     "get_mtp_layout",
     "greedy_select",
     "load_native_mtp",
+    "load_target_checkpoint",
     "read_mtp_tensors",
     "register_mtp_layout",
     "registered_mtp_layouts",

@@ -12,14 +12,15 @@ import logging
 import os
 import re
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate import init_empty_weights
 from safetensors import safe_open
-from transformers import PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
 
 from .fp8 import dequantize_fp8_state_dict
 from .fp8 import fp8_block_size as block_size_of
@@ -31,6 +32,8 @@ __all__ = [
     "NoNativeMTPError",
     "checkpoint_to_head_state_dict",
     "load_native_mtp",
+    "load_target_checkpoint",
+    "mtp_ignore_patterns",
     "read_mtp_tensors",
 ]
 
@@ -317,3 +320,57 @@ def load_native_mtp(
     head.to(device)
     head.requires_grad_(False)
     return head.eval()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Loading the target itself
+
+
+def mtp_ignore_patterns(config: PreTrainedConfig) -> list[str] | None:
+    """Regexes matching the MTP keys of a DeepSeek/GLM/MiMo checkpoint of any depth (None: the class's own are right).
+
+    Transformers hard-codes DeepSeek-V3's as ``model\\.layers\\.61.*`` and GLM's as ``model\\.layers\\.92.*`` /
+    ``model\\.layers\\.46.*``; a tiny target has its MTP layer at ``model.layers.{num_hidden_layers}``.
+    """
+    text_config = config.get_text_config(decoder=True)
+    if text_config.model_type in ("deepseek_v3", "glm4_moe"):
+        return [rf"model\.layers\.{text_config.num_hidden_layers}\..*"]
+    if "MiMoForCausalLM" in (getattr(config, "architectures", None) or ()):
+        return [r"model\.mtp_layers\..*"]
+    return None
+
+
+@contextmanager
+def _ignore_on_load(model_class: type, patterns: list[str] | None) -> Iterator[None]:
+    """Temporarily set ``model_class._keys_to_ignore_on_load_unexpected`` (restored afterwards)."""
+    if patterns is None:
+        yield
+        return
+    had_own = "_keys_to_ignore_on_load_unexpected" in model_class.__dict__
+    previous = model_class.__dict__.get("_keys_to_ignore_on_load_unexpected")
+    model_class._keys_to_ignore_on_load_unexpected = patterns
+    try:
+        yield
+    finally:
+        if had_own:
+            model_class._keys_to_ignore_on_load_unexpected = previous
+        else:
+            del model_class._keys_to_ignore_on_load_unexpected
+
+
+def load_target_checkpoint(path: str | os.PathLike, **kwargs: Any) -> PreTrainedModel:
+    """``AutoModelForCausalLM.from_pretrained(path, **kwargs)`` (eval mode) that skips MTP tensors at any depth.
+
+    Transformers hard-codes the MTP ignore regex of DeepSeek-V3/GLM at the release depth; checkpoints of other depths
+    (distilled, pruned, the tests' tiny ones) would warn about or mis-report those keys. The returned instance keeps
+    the fitted ``_keys_to_ignore_on_load_unexpected`` (see `mtp_ignore_patterns`), which is where Transformers'
+    ``MtpModel.from_pretrained`` (``use_mtp=True``) looks for the MTP keys.
+    """
+    config = AutoConfig.from_pretrained(path)
+    patterns = mtp_ignore_patterns(config)
+    model_class = AutoModelForCausalLM._model_mapping[type(config)]
+    with _ignore_on_load(model_class, patterns):
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    if patterns is not None:
+        model._keys_to_ignore_on_load_unexpected = patterns
+    return model.eval()
