@@ -496,6 +496,7 @@ def test_gradient_accumulation_and_checkpointing_match_one_big_batch(tmp_path, t
     for name, overrides in {
         "big": dict(micro_batch_size=4),
         "accumulated": dict(micro_batch_size=2, gradient_accumulation_steps=2, gradient_checkpointing=True),
+        "chunked_logits": dict(micro_batch_size=4, logits_chunk_size=5),  # LM head over 5 slots at a time
     }.items():
         config = make_config(tmp_path, output_dir=str(tmp_path / name), max_steps=3, **overrides)
         trainer = Trainer(config, target=target, train_dataset=data)
@@ -503,6 +504,7 @@ def test_gradient_accumulation_and_checkpointing_match_one_big_batch(tmp_path, t
         weights[name] = draft_weights(trainer.draft)
     for key, value in weights["big"].items():
         torch.testing.assert_close(weights["accumulated"][key], value, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(weights["chunked_logits"][key], value, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", ["tiny-dmtp", "tiny-dflash"])

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..modeling.configuration_dmtp import DMTPConfig
 from ..modeling.modeling_dmtp import DMTPDraftModel, attention_mask_for_implementation, dflash_visibility
@@ -279,10 +280,11 @@ class DMTPTrainingObjective(nn.Module):
     ``accept_len_tf`` assumes T1 is accepted (teacher-forced T1, what the draft itself controls).
     """
 
-    def __init__(self, draft: nn.Module, loss_decay_gamma: float | None = 4.0):
+    def __init__(self, draft: nn.Module, loss_decay_gamma: float | None = 4.0, logits_chunk_size: int | None = None):
         super().__init__()
         self.model = draft
         self.loss_decay_gamma = loss_decay_gamma
+        self.logits_chunk_size = logits_chunk_size
 
     @property
     def draft(self) -> DMTPDraftModel:
@@ -324,11 +326,10 @@ class DMTPTrainingObjective(nn.Module):
         hidden = draft(slots, context, position_ids, attention_mask=masks).last_hidden_state
         hidden = hidden.view(bsz, num_blocks, block_len, -1)[:, :, first:]  # [B, N, P, H]
 
-        # Logits only for supervised slots: [M, V] instead of [B, N, P, V].
+        # Logits only for supervised slots: [M, V] instead of [B, N, P, V]; in chunks of rows when asked.
         valid = plan.valid
-        logits = draft.compute_logits(hidden[valid]).float()
         labels = plan.labels[valid]
-        ce = F.cross_entropy(logits, labels, reduction="none")  # [M]
+        ce, predicted = supervised_cross_entropy(draft, hidden[valid], labels, self.logits_chunk_size)  # [M], [M]
         weighted_ce = (ce * plan.weights[valid]).sum()
         weight_sum = plan.weights.sum()
         if normalizer is None:
@@ -337,7 +338,7 @@ class DMTPTrainingObjective(nn.Module):
 
         with torch.no_grad():
             correct = torch.zeros_like(valid)
-            correct[valid] = logits.argmax(dim=-1) == labels
+            correct[valid] = predicted == labels
             metrics = _acceptance(correct, valid, plan.keep, config.anchor_layout, t1_ids, anchors, mtp_token)
         return ObjectiveOutput(
             loss=loss,
@@ -347,6 +348,34 @@ class DMTPTrainingObjective(nn.Module):
             count=valid.sum(dim=(0, 1)).float(),
             **metrics,
         )
+
+
+def _cross_entropy_rows(draft: DMTPDraftModel, hidden: torch.Tensor, labels: torch.Tensor):
+    logits = draft.compute_logits(hidden).float()  # [m, V]
+    return F.cross_entropy(logits, labels, reduction="none"), logits.argmax(dim=-1)
+
+
+def supervised_cross_entropy(
+    draft: DMTPDraftModel, hidden: torch.Tensor, labels: torch.Tensor, chunk_size: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row cross-entropy ``[M]`` and argmax ``[M]`` of ``hidden`` ``[M, H]`` through the draft's LM head.
+
+    With ``chunk_size``, rows go through the LM head ``chunk_size`` at a time and each chunk's logits are recomputed
+    in the backward pass (activation checkpointing), so at most ``[chunk_size, V]`` logits exist at once: at a
+    150k vocabulary and 512 anchors x 7 slots the unchunked ``[M, V]`` float logits alone take gigabytes.
+    """
+    if not chunk_size or hidden.shape[0] <= chunk_size:
+        return _cross_entropy_rows(draft, hidden, labels)
+    losses, predicted = [], []
+    for start in range(0, hidden.shape[0], chunk_size):
+        rows = slice(start, start + chunk_size)
+        if torch.is_grad_enabled() and hidden.requires_grad:
+            loss, argmax = checkpoint(_cross_entropy_rows, draft, hidden[rows], labels[rows], use_reentrant=False)
+        else:
+            loss, argmax = _cross_entropy_rows(draft, hidden[rows], labels[rows])
+        losses.append(loss)
+        predicted.append(argmax)
+    return torch.cat(losses), torch.cat(predicted)
 
 
 def _acceptance(

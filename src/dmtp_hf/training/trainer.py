@@ -99,6 +99,7 @@ class TrainConfig:
     # --- objective
     num_anchors: int = 512
     loss_decay_gamma: float | None = 4.0  # exp(-(j-1)/gamma) slot weights; 4 for 8-slot blocks (SpecForge)
+    logits_chunk_size: int | None = None  # supervised slots per LM-head chunk (checkpointed); None = all at once
     # --- optimisation
     micro_batch_size: int = 1  # per process
     gradient_accumulation_steps: int = 1
@@ -170,6 +171,8 @@ class TrainConfig:
         for key in ("micro_batch_size", "gradient_accumulation_steps", "num_anchors", "max_length", "num_epochs"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key} must be >= 1")
+        if self.logits_chunk_size is not None and self.logits_chunk_size < 1:
+            raise ValueError("logits_chunk_size must be >= 1 (or null for no chunking)")
         if self.anchor_layout == "dflash" and self.fusion != "none":
             self.fusion = "none"  # DFlash blocks have no T1 slot
 
@@ -405,7 +408,7 @@ class Trainer:
 
         # Optimisation. The scheduler is stepped by hand once per optimizer step (accelerate would step it once per
         # process), and registered so that save_state/load_state carry it.
-        objective = DMTPTrainingObjective(draft, config.loss_decay_gamma)
+        objective = DMTPTrainingObjective(draft, config.loss_decay_gamma, config.logits_chunk_size)
         trainable = [p for p in objective.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(
             trainable,
