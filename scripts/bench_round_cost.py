@@ -25,6 +25,7 @@ from transformers.cache_utils import DynamicCache
 from dmtp_hf import DMTPConfig, DMTPDraftModel
 from dmtp_hf.assistant import DFlashDrafter, DMTPDrafter, MTPDrafter, Proposal, SpecStats, speculative_decode
 from dmtp_hf.assistant.drafters import DrafterWrapper
+from dmtp_hf.assistant.fast_path import FastDMTPDrafter
 
 STAGE_ROWS = [
     ("mtp", "MTP advance (+ chained MTP steps)"),
@@ -163,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
             "dflash": (DFlashDrafter(dflash), "per_step"),
             "mtp1": (MTPDrafter(draft.native_mtp, 1), "per_step"),
             "mtp4": (MTPDrafter(draft.native_mtp, 4), "per_step"),
+            # fixed device-side slots; CUDA graphs for MTP advance, T1 + fusion and the DFlash block on GPU
+            "dmtp-fast": (FastDMTPDrafter(draft, draft.native_mtp), "per_step"),
         }
         # Interleave strategies and plain steps over repetitions and keep medians: machine noise hits all alike.
         samples: dict[str, list[dict]] = {name: [] for name in strategies}
