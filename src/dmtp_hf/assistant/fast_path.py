@@ -319,17 +319,19 @@ class CUDAGraphCall:
             for tensor, value in zip(self.state(), saved):
                 tensor.copy_(value)
 
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up: lazy allocations, cuBLAS handles, autotuning
-                self.fn(*static_inputs)
-                restore()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outputs = self.fn(*static_inputs)
-        restore()  # capture records kernels without running them, but be safe with eager side effects
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm-up: lazy allocations, cuBLAS handles, autotuning
+                    self.fn(*static_inputs)
+                    restore()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                outputs = self.fn(*static_inputs)
+        finally:
+            restore()  # the state is as before the call whatever happened (capture itself runs no kernel)
         return graph, static_inputs, outputs
 
 
