@@ -6,6 +6,9 @@ Outputs (default ``outputs/corpus/``), all JSONL, deterministic for a given Pyth
 - ``train_code_chat.jsonl`` / ``heldout_code.jsonl``: code requests as chats, OpenAI ``messages`` (user asks for a
   function by name, signature and docstring; the assistant answers with its source in a fenced block).
 - ``train_chat.jsonl`` / ``heldout_chat.jsonl``: chitchat conversations as ``messages`` (first speaker = user).
+- ``train_chat_2turn.jsonl``: the first ``user, assistant, user`` messages of each training chat (ids ``...#2turn``),
+  the shape of the held-out chat prompts; ``dmtp regenerate`` answers both user turns with the target. (Whole
+  chitchat conversations run to dozens of turns: regenerating them turn by turn is far too slow on a CPU.)
 - ``bench/code_question.jsonl`` / ``bench/chat_question.jsonl``: held-out prompts in the MT-Bench question shape
   ``{"question_id", "category", "turns": [...]}``.
 - ``stats.json``: document counts per split and the sources with their versions.
@@ -184,13 +187,18 @@ def chitchat_messages(conversation: dict) -> list[dict]:
 def build_chat(dataset_file: Path) -> dict[str, list[dict]]:
     """Split chitchat by conversation id into training and held-out ``messages`` sets."""
     data = json.loads(dataset_file.read_text(encoding="utf-8"))
-    sets: dict[str, list[dict]] = {"train_chat": [], "heldout_chat": []}
+    sets: dict[str, list[dict]] = {"train_chat": [], "heldout_chat": []}  # + train_chat_2turn below
     for conversation_id in sorted(data):
         messages = chitchat_messages(data[conversation_id])
         if len(messages) < 2:
             continue
         row = {"id": f"chitchat/{conversation_id}", "messages": messages}
         sets["heldout_chat" if in_heldout(row["id"], HELDOUT_PERCENT["chat"]) else "train_chat"].append(row)
+    sets["train_chat_2turn"] = [
+        {"id": f"{row['id']}#2turn", "messages": row["messages"][:3]}
+        for row in sets["train_chat"]
+        if [m["role"] for m in row["messages"][:3]] == ["user", "assistant", "user"]
+    ]
     return sets
 
 
