@@ -89,7 +89,7 @@ def run_bench(args, out: Path) -> dict:
     command = _dmtp(
         "bench", *_models(args),
         "--strategies", "dmtp,dflash,dmtp-from-dflash,mtp1",
-        "--datasets", "mt_bench", "--prompts", str(BENCH / "code_question.jsonl"),
+        "--datasets", "mt_bench", "--prompts", str(out / "parts" / "prompts" / "held-out-code.jsonl"),
         "--limit", str(args.bench_limit), "--max-new-tokens", str(args.max_new_tokens),
         "--batch-sizes", "1,2,4", "--no-progress", "--output-dir", str(out),
     )  # fmt: skip
