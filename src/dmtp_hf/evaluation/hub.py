@@ -63,6 +63,20 @@ def evaluation_section(results: dict[str, Any] | None) -> str:
         "",
         *_table(["Dataset", *labels], first),
         "",
+    ]
+    if results.get("baseline"):
+        speed = [
+            [display] + [_fmt(entries[label].get("speedup"), 2) + "×" for label in labels]
+            for key, display, entries in dataset_rows(results)
+            if key != ALL
+        ]
+        lines += [
+            "Wall-clock speedup over plain `target.generate` on the same turns (batch size 1, same run):",
+            "",
+            *_table(["Dataset", *labels], speed),
+            "",
+        ]
+    lines += [
         f"Measured with dmtp-hf {results['environment'].get('dmtp_hf')} on {results['environment'].get('device')} "
         f"(`dmtp eval`, {results.get('created', 'date unknown')}); the full results are in `{EVAL_FILENAME}`.",
     ]
