@@ -473,6 +473,9 @@ def test_model_card_renders_the_eval_json_numbers(eval_run, models_dir):
         first = data["results"][dataset["name"]]["dmtp"]["first_candidate_acceptance"]
         if first is not None:
             assert f"{100 * first:.2f}%" in section
+        speed = section.split("Wall-clock speedup")[1]
+        row = next(line for line in speed.splitlines() if line.startswith(f"| {dataset['display_name']} |"))
+        assert f"{entries['dmtp']['speedup']:.2f}×" in row
 
 
 class _CacheStandInApi:
