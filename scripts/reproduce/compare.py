@@ -166,12 +166,12 @@ def summary_markdown(evaluation: dict, bench: dict | None, counts: dict[str, int
     ]
     if budget:
         lines += [
-            "Drafts were trained with the project's trainer on the same target-regenerated data with the same steps "
-            "and hyperparameters (`configs/bundled-*.yaml`); DMTP-from-DFlash continues from the DFlash baseline's "
-            "final weights with a zero-initialised fusion.",
+            "Drafts were trained with the project's trainer on the same target-regenerated data and hyperparameters "
+            "(`configs/bundled-*.yaml`): DFlash and DMTP from scratch for the same number of steps; DMTP-from-DFlash "
+            "continues from the DFlash baseline's final weights (zero-initialised fusion) for the steps shown.",
             "",
             "| Draft | Init | Steps | Micro-batch x processes | Train samples | CPU wall time | Held-out loss | "
-            "Held-out τ (teacher-forced, simulated) |",
+            "Held-out simulated τ |",
             "| --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for label, info in budget.items():
@@ -220,6 +220,8 @@ def summary_markdown(evaluation: dict, bench: dict | None, counts: dict[str, int
             f"{100 * m['first_candidate_acceptance']:.1f}% | {_f(d.get('speedup'))}× / {_f(m.get('speedup'))}× / "
             f"{_f(c.get('speedup'))}× |"
         )
+    if args.analysis.is_file():
+        lines += ["", "## Findings", "", args.analysis.read_text().strip()]
     lines += [
         "",
         "![acceptance length](acceptance_length.png)",
@@ -269,7 +271,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-bench", action="store_true")
     parser.add_argument("--report-only", action="store_true", help="rebuild README.md from the saved JSON")
     parser.add_argument("--output-dir", type=Path, default=REPO / "reports" / "bundled")
+    parser.add_argument(
+        "--analysis", type=Path, help="markdown written by a person after reading the numbers (default: "
+        "OUTPUT_DIR/analysis.md when present), included as the report's Findings"
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    args.analysis = args.analysis or args.output_dir / "analysis.md"
     out = args.output_dir
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
