@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HIDDEN, VOCAB, tiny_draft_config, tiny_qwen3_target
+from conftest import HIDDEN, VOCAB, draft_for, tiny_draft_config, tiny_qwen3_target
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModel
 
@@ -477,3 +477,11 @@ def test_missing_local_checkpoint_is_a_clear_error(tmp_path):
         DMTPDraftModel.from_pretrained(tmp_path / "nowhere")
     with pytest.raises(FileNotFoundError, match="No checkpoint directory"):
         DMTPConfig.from_pretrained("./outputs/not/there")
+
+
+def test_bind_casts_the_draft_to_the_target_dtype(target):
+    target = target.to(torch.bfloat16)
+    draft = draft_for(target)  # built in fp32, then bound
+    assert {p.dtype for p in draft.parameters()} == {torch.bfloat16}
+    block = draft.block_embeddings(torch.tensor([5]), torch.tensor([6]), torch.zeros(1, target.config.hidden_size))
+    assert block.dtype == torch.bfloat16

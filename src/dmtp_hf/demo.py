@@ -77,7 +77,8 @@ def run_demo(max_new_tokens: int = 48, seed: int = 0) -> int:
             prompt_ids = torch.randint(0, 1000, (1, 16))
             strategy = None
         else:
-            target = AutoModelForCausalLM.from_pretrained(target_path).eval()
+            # Stored in bf16; fp32 is the fast CPU dtype (the comparison report runs fp32 too).
+            target = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
             tokenizer = AutoTokenizer.from_pretrained(target_path)
             # The code-request shape of the bundled target's training data (scripts/reproduce/build_corpus.py).
             request = (

@@ -364,10 +364,16 @@ class DMTPDraftModel(DMTPPreTrainedModel):
         ``target_layer_ids`` out of range, ``num_target_layers`` different from the target's depth, or a mask token
         outside the target embedding. ``native_mtp`` defaults to the head loaded (on first use) from the target's
         own checkpoint. Binding also makes ``target.generate(..., assistant_model=draft)`` run DMTP decoding.
+        A draft whose floating-point dtype differs from the target's (e.g. an fp32 checkpoint next to a bf16 target)
+        is cast to the target's dtype: it consumes the target's embeddings and features and feeds its LM head.
         """
         from ..assistant.generate import install_generate_router
 
         check_draft_target_compatibility(self.config, target)
+        target_dtype = target.get_input_embeddings().weight.dtype
+        own = next((p.dtype for p in self.parameters() if p.is_floating_point()), target_dtype)
+        if target_dtype.is_floating_point and own != target_dtype:
+            self.to(dtype=target_dtype)
         self.__dict__["_target"] = target  # bypass nn.Module registration on purpose: never saved or moved
         self.__dict__["_native_mtp"] = native_mtp
         install_generate_router(target)
