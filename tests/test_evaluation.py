@@ -2,7 +2,6 @@
 the saved raw histograms, `dmtp bench` with every baseline side by side, model cards from eval JSON, push to a
 stand-in Hub repo and load back offline, one-line errors for malformed prompt files."""
 
-import importlib.util
 import json
 import os
 import random
@@ -217,23 +216,24 @@ def test_malformed_prompt_file_is_one_line_error(tmp_path, capsys, bad_line, rea
         assert "Traceback" not in err
 
 
-def _bundled_models_built() -> bool:
-    if importlib.util.find_spec("dmtp_hf.bundled") is None:
-        return False
-    from dmtp_hf.bundled import default_paths
+def test_missing_models_without_bundled_defaults_is_a_clear_error(capsys, monkeypatch, tmp_path):
+    import dmtp_hf.bundled as bundled
 
-    try:
-        default_paths()
-    except (OSError, KeyError):
-        return False
-    return True
-
-
-@pytest.mark.skipif(_bundled_models_built(), reason="bundled models are built: omitted paths resolve to them")
-def test_missing_models_without_bundled_defaults_is_a_clear_error(capsys):
+    monkeypatch.setattr(bundled, "MODELS_DIR", tmp_path)  # as on an install without the bundled checkpoints
     assert main(["eval", "--datasets", "gsm8k", "--limit", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--target" in err and "--draft" in err
+
+
+def test_omitted_paths_resolve_to_the_bundled_models():
+    from dmtp_hf.bundled import default_paths
+    from dmtp_hf.evaluation.models import resolve_model_paths
+
+    bundled = default_paths()
+    paths = resolve_model_paths(None, None)
+    assert paths.target == str(bundled["target"]) and paths.draft == str(bundled["dmtp"])
+    assert paths.dflash_draft == str(bundled["dflash"])
+    assert paths.extra_drafts == {"dmtp-from-dflash": str(bundled["dmtp_from_dflash"])}
 
 
 # ---------------------------------------------------------------------------------------------------------------
