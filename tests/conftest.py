@@ -3,6 +3,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dmtp_hf import DMTPConfig, DMTPDraftModel
+from dmtp_hf.testing.tiny_targets import FAMILIES, load_tiny_target, make_tiny_target
 
 VOCAB = 96
 HIDDEN = 32
@@ -44,6 +45,13 @@ def tiny_draft_config(**overrides) -> DMTPConfig:
     )
     kwargs.update(overrides)
     return DMTPConfig(**kwargs)
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory):
+    """One tiny random checkpoint (with its native MTP head) per family, loaded once per test module."""
+    root = tmp_path_factory.mktemp("targets")
+    return {family: load_tiny_target(make_tiny_target(family, root / family)) for family in FAMILIES}
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ import random
 import pytest
 import torch
 from conftest import draft_for
-from test_engine import targets  # noqa: F401  (module-scoped fixture)
 
 from dmtp_hf.assistant import DFlashDrafter, DMTPDrafter, Drafter, MTPDrafter, Proposal, SpecStats, speculative_decode
 from dmtp_hf.assistant.drafters import DrafterWrapper
@@ -57,7 +56,7 @@ def _prompts(batch, seed):
 
 @pytest.mark.parametrize("family", ["qwen3_5", "deepseek_v3"])
 @pytest.mark.parametrize("batch", [2, 4, 8])
-def test_batched_greedy_rows_equal_single_row_generate(targets, family, batch):  # noqa: F811
+def test_batched_greedy_rows_equal_single_row_generate(targets, family, batch):
     target = targets[family]
     draft = draft_for(target)
     prompts = _prompts(batch, seed=batch)
@@ -90,7 +89,7 @@ def test_batched_greedy_rows_equal_single_row_generate(targets, family, batch): 
         assert sum(1 for count in stats.hist if count) >= 3  # ragged: many different acceptance lengths
 
 
-def test_batched_rows_finish_independently_at_eos(targets):  # noqa: F811
+def test_batched_rows_finish_independently_at_eos(targets):
     target = targets["qwen3_5_moe"]
     draft = draft_for(target)
     prompts = _prompts(4, seed=7)

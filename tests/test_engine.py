@@ -16,13 +16,6 @@ from dmtp_hf.testing.tiny_targets import FAMILIES, load_tiny_target, make_tiny_t
 MAX_NEW = 24
 
 
-@pytest.fixture(scope="module")
-def targets(tmp_path_factory):
-    """One tiny random checkpoint (with its native MTP head) per family, loaded once."""
-    root = tmp_path_factory.mktemp("targets")
-    return {family: load_tiny_target(make_tiny_target(family, root / family)) for family in FAMILIES}
-
-
 class OracleMix(DrafterWrapper):
     """Wraps a real drafter and overwrites a random-length prefix of its candidates with the target's true greedy
     continuation, so rounds accept every possible number of candidates and the inner drafter's state advancement

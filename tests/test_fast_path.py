@@ -17,15 +17,9 @@ from dmtp_hf.assistant.fast_path import (
     FastMTPDrafter,
     SlotCache,
 )
-from dmtp_hf.testing.tiny_targets import FAMILIES, load_tiny_target, make_tiny_target
+from dmtp_hf.testing.tiny_targets import FAMILIES
 
 MAX_NEW = 24
-
-
-@pytest.fixture(scope="module")
-def targets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fast_targets")
-    return {family: load_tiny_target(make_tiny_target(family, root / family)) for family in FAMILIES}
 
 
 class Recorder(DrafterWrapper):

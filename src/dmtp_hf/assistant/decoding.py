@@ -276,7 +276,9 @@ def speculative_decode(
                     all_generated[rows[gone]] = generated[gone]
                     all_num_generated[rows[gone]] = num_generated[gone]
                     state.select_rows(keep)
-                    rows, rows_host = rows[keep], [rows_host[i] for i in keep.tolist()]
+                    keep_host = keep.tolist()
+                    rows, rows_host = rows[keep], [rows_host[i] for i in keep_host]
+                    counts_host = [counts_host[i] for i in keep_host]
                     generated, num_generated, finished = generated[keep], num_generated[keep], finished[keep]
                     prompt_lengths, anchor_positions = prompt_lengths[keep], anchor_positions[keep]
                     lengths = prompt_lengths + num_generated
@@ -289,7 +291,7 @@ def speculative_decode(
                 if drafter.fixed_slots:  # all K + 1 slots, the mask says which are real (fixed shapes)
                     drafter.advance(step, stats)
                 else:
-                    width = int(counts.max())
+                    width = max(counts_host)  # already on the host: no extra sync
                     drafter.advance(
                         TargetStep(*(None if t is None else t[:, :width] for t in step.__dict__.values())), stats
                     )

@@ -281,6 +281,7 @@ class MTPDrafter(Drafter):
         if num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
         self.mtp = mtp_head
+        self.state = mtp_head  # holds the committed MTP state: the head itself (fast path: its fixed slots)
         self.num_candidates = num_steps
         self.name = f"mtp{num_steps}"
 
@@ -292,7 +293,7 @@ class MTPDrafter(Drafter):
     def start(self, step: TargetStep) -> None:
         """Prefill the MTP head over all prompt pairs."""
         with torch.no_grad():
-            self.mtp.prefill(step.next_tokens, step.mtp_hidden, step.positions, _pair_mask(step))
+            self.state.prefill(step.next_tokens, step.mtp_hidden, step.positions, _pair_mask(step))
 
     def propose(
         self, prefix: torch.Tensor, anchor_positions: torch.Tensor, select: TokenSelector, stats: SpecStats
@@ -309,17 +310,17 @@ class MTPDrafter(Drafter):
             return token[:, 0]
 
         with stats.stage("mtp"):
-            tokens, _ = self.mtp.propose(self.num_candidates, select_step)
+            tokens, _ = self.state.propose(self.num_candidates, select_step)
         return Proposal(tokens, torch.stack(scores, dim=1))
 
     def advance(self, step: TargetStep, stats: SpecStats | None = None) -> None:
         """Commit the accepted pairs to the MTP cache."""
         with _stage(stats, "mtp"), torch.no_grad():
-            self.mtp.advance(step.next_tokens, step.mtp_hidden, step.positions, _pair_mask(step))
+            self.state.advance(step.next_tokens, step.mtp_hidden, step.positions, _pair_mask(step))
 
     def select_rows(self, rows: torch.Tensor) -> bool:
         """Drop finished rows from the MTP head's state."""
-        self.mtp.select_rows(rows)
+        self.state.select_rows(rows)
         return True
 
 

@@ -69,8 +69,7 @@ class SlotCache:
         rank = valid.long().cumsum(-1) - 1
         index = torch.where(valid, self.lengths[:, None] + rank, self.capacity)
         self._write_index = index
-        self.positions.scatter_(1, index, torch.where(valid, positions, FAR))
-        self.positions[:, self.capacity] = FAR  # the scratch column never holds a real entry
+        self.positions.scatter_(1, index, torch.where(valid, positions, FAR))  # scratch only ever receives FAR
         self.lengths.add_(valid.sum(-1))
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -127,11 +126,6 @@ class MTPSlots:
         self.implementation = getattr(head.config, "_attn_implementation", None) or "sdpa"
         _check_attention(self.implementation, "native MTP layer")
 
-    @property
-    def hidden_input(self) -> str:
-        """Which target hidden the head reads."""
-        return self.head.hidden_input
-
     def _mask(self, positions: torch.Tensor, valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         # Query j sees real entries at positions <= its own; invalid queries see everything (no all-masked rows,
         # hence no NaN; their outputs are discarded).
@@ -166,12 +160,16 @@ class MTPSlots:
         """T1 logits ``[B, V]`` and the MTP hidden ``g`` ``[B, H]`` that predicts T1."""
         return self.head.logits(self.last_hidden), self.last_hidden
 
-    def propose(self, num_tokens: int, select: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """MTP-k chaining on the slots; the chained entries are rolled back (``lengths`` restored)."""
+    def propose(
+        self, num_tokens: int, select: Callable[[torch.Tensor], torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """MTP-k chaining on the slots, as `NativeMTPHead.propose`: ``(draft_ids [B, k], draft_logits [B, k, V])``;
+        the chained entries are rolled back (``lengths`` restored)."""
         saved_lengths = self.cache.lengths.clone()
         hidden = self.last_hidden
         position = self.next_position - 1
-        tokens = [select(self.head.logits(hidden))]
+        logits = [self.head.logits(hidden)]
+        tokens = [select(logits[-1])]
         ones = torch.ones_like(position, dtype=torch.bool)[:, None]
         for step in range(1, num_tokens):
             positions = (position + step)[:, None]
@@ -179,9 +177,10 @@ class MTPSlots:
             mask = self._mask(positions, ones, hidden.dtype)
             hidden = self.head(tokens[-1][:, None], hidden[:, None], positions, cache=self.cache, attention_mask=mask)
             hidden = hidden[:, 0]
-            tokens.append(select(self.head.logits(hidden)))
+            logits.append(self.head.logits(hidden))
+            tokens.append(select(logits[-1]))
         self.cache.lengths.copy_(saved_lengths)
-        return torch.stack(tokens, dim=1)
+        return torch.stack(tokens, dim=1), torch.stack(logits, dim=1)
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only batch ``rows``."""
@@ -343,45 +342,30 @@ def _is_greedy(select: TokenSelector) -> bool:
     return not select.logits_processor and not select.do_sample
 
 
-class FastMTPDrafter(MTPDrafter):
-    """Native MTP-k with the head's state on fixed slots; ``advance`` is one captured graph on CUDA."""
+class _FixedSlots:
+    """What every fast-path drafter shares: fixed-slot advancing and slot capacity sized by `reserve`."""
 
     fixed_slots = True
-
-    def __init__(self, mtp_head, num_steps: int = 1, *, cuda_graphs: bool = True) -> None:
-        super().__init__(mtp_head, num_steps)
-        self.cuda_graphs = cuda_graphs
-        self.capacity = DEFAULT_CAPACITY
-        self.slots: MTPSlots | None = None
+    capacity = DEFAULT_CAPACITY
+    num_candidates: int
 
     def reserve(self, max_positions: int) -> None:
         """Size the slots for sequences of up to ``max_positions`` tokens."""
         self.capacity = max_positions + self.num_candidates + 1
 
+
+class FastMTPDrafter(_FixedSlots, MTPDrafter):
+    """Native MTP-k with the head's state on fixed slots (`MTPSlots`); ``advance`` is one captured graph on CUDA."""
+
+    def __init__(self, mtp_head, num_steps: int = 1, *, cuda_graphs: bool = True) -> None:
+        super().__init__(mtp_head, num_steps)
+        self.cuda_graphs = cuda_graphs
+
     def start(self, step: TargetStep) -> None:
-        """Prefill the slots over the prompt pairs."""
-        self.slots = MTPSlots(self.mtp, self.capacity)
-        with torch.no_grad():
-            self.slots.prefill(step.next_tokens, step.mtp_hidden, step.positions, step.mask)
-        self._advance = CUDAGraphCall(self.slots.advance, self.slots.state, self.cuda_graphs)
-
-    def propose(
-        self, prefix: torch.Tensor, anchor_positions: torch.Tensor, select: TokenSelector, stats: SpecStats
-    ) -> Proposal:
-        """Chain the MTP layer on the slots (chained entries rolled back)."""
-        chosen: list[torch.Tensor] = []
-        scores: list[torch.Tensor] = []
-
-        def select_step(logits: torch.Tensor) -> torch.Tensor:
-            seen = torch.cat([prefix, *[t[:, None] for t in chosen]], dim=1)
-            token, score = select(logits[:, None], seen)
-            chosen.append(token[:, 0])
-            scores.append(score[:, 0])
-            return token[:, 0]
-
-        with stats.stage("mtp"):
-            tokens = self.slots.propose(self.num_candidates, select_step)
-        return Proposal(tokens, torch.stack(scores, dim=1))
+        """Prefill fresh slots over the prompt pairs."""
+        self.state = MTPSlots(self.mtp, self.capacity)
+        super().start(step)
+        self._advance = CUDAGraphCall(self.state.advance, self.state.state, self.cuda_graphs)
 
     def advance(self, step: TargetStep, stats: SpecStats | None = None) -> None:
         """Consume the verify's ``K + 1`` slots (accepted + bonus valid, the rest scratch)."""
@@ -390,26 +374,19 @@ class FastMTPDrafter(MTPDrafter):
 
     def select_rows(self, rows: torch.Tensor) -> bool:
         """Drop finished rows; graphs are recaptured for the new batch size."""
-        self.slots.select_rows(rows)
-        self._advance = CUDAGraphCall(self.slots.advance, self.slots.state, self.cuda_graphs)
+        super().select_rows(rows)
+        self._advance = CUDAGraphCall(self.state.advance, self.state.state, self.cuda_graphs)
         return True
 
 
-class FastDMTPDrafter(DMTPDrafter):
+class FastDMTPDrafter(_FixedSlots, DMTPDrafter):
     """DMTP on the fast path: MTP advance, T1 head + embedding + fusion, and the DFlash block each one graph."""
-
-    fixed_slots = True
 
     def __init__(self, draft: DMTPDraftModel, mtp_head, *, cuda_graphs: bool = True) -> None:
         super().__init__(draft, mtp_head)
         self.cuda_graphs = cuda_graphs
-        self.capacity = DEFAULT_CAPACITY
         self.slots: MTPSlots | None = None
         self.static_context: StaticDFlashContext | None = None
-
-    def reserve(self, max_positions: int) -> None:
-        """Size the slots for sequences of up to ``max_positions`` tokens."""
-        self.capacity = max_positions + self.num_candidates + 1
 
     def start(self, step: TargetStep) -> None:
         """Prefill the MTP slots over the prompt pairs; queue the prompt features for the first block."""
@@ -476,20 +453,13 @@ class FastDMTPDrafter(DMTPDrafter):
         return True
 
 
-class FastDFlashDrafter(DFlashDrafter):
+class FastDFlashDrafter(_FixedSlots, DFlashDrafter):
     """DFlash alone on the fast path: the block forward is one graph."""
-
-    fixed_slots = True
 
     def __init__(self, draft: DMTPDraftModel, *, cuda_graphs: bool = True) -> None:
         super().__init__(draft)
         self.cuda_graphs = cuda_graphs
-        self.capacity = DEFAULT_CAPACITY
         self.static_context: StaticDFlashContext | None = None
-
-    def reserve(self, max_positions: int) -> None:
-        """Size the slots for sequences of up to ``max_positions`` tokens."""
-        self.capacity = max_positions + self.num_candidates + 1
 
     def start(self, step: TargetStep) -> None:
         """Empty slots; queue the prompt features."""

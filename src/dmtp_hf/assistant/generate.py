@@ -50,23 +50,22 @@ def as_drafter(
 
     if isinstance(assistant, Drafter):
         return assistant
+    # The fast-path drafters take the same arguments, plus whether to capture CUDA graphs.
+    extra = {"cuda_graphs": cuda_graphs} if fast_path else {}
+    mtp_class, dflash_class, dmtp_class = (
+        (FastMTPDrafter, FastDFlashDrafter, FastDMTPDrafter) if fast_path else (MTPDrafter, DFlashDrafter, DMTPDrafter)
+    )
     if isinstance(assistant, NativeMTPHead):
-        if fast_path:
-            return FastMTPDrafter(assistant, mtp_steps, cuda_graphs=cuda_graphs)
-        return MTPDrafter(assistant, mtp_steps)
+        return mtp_class(assistant, mtp_steps, **extra)
     if not isinstance(assistant, DMTPDraftModel):
         return None
     strategy = strategy or ("dflash" if assistant.config.anchor_layout == "dflash" else "dmtp")
     if strategy == "dflash":
-        return FastDFlashDrafter(assistant, cuda_graphs=cuda_graphs) if fast_path else DFlashDrafter(assistant)
+        return dflash_class(assistant, **extra)
     if strategy == "mtp":
-        if fast_path:
-            return FastMTPDrafter(assistant.native_mtp, mtp_steps, cuda_graphs=cuda_graphs)
-        return MTPDrafter(assistant.native_mtp, mtp_steps)
+        return mtp_class(assistant.native_mtp, mtp_steps, **extra)
     if strategy == "dmtp":
-        if fast_path:
-            return FastDMTPDrafter(assistant, assistant.native_mtp, cuda_graphs=cuda_graphs)
-        return DMTPDrafter(assistant, assistant.native_mtp)
+        return dmtp_class(assistant, assistant.native_mtp, **extra)
     raise ValueError(f"Unknown drafting strategy {strategy!r}; expected 'dmtp', 'dflash' or 'mtp'.")
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..assistant.drafters import DFlashDrafter, DMTPDrafter, Drafter, MTPDrafter
+from ..assistant.drafters import Drafter
 
 MTP_STRATEGY = re.compile(r"^mtp(\d+)$")
 DMTP_KINDS = ("dmtp", "dflash")
@@ -194,7 +194,7 @@ def build_strategies(labels: list[str], target, paths: ModelPaths, fast_path: bo
     sequential and every request re-initialises the drafter state, so sharing is safe. ``fast_path`` builds the
     fixed-slot drafters (CUDA graphs on GPU; same tokens).
     """
-    from ..assistant.fast_path import FastDFlashDrafter, FastDMTPDrafter, FastMTPDrafter
+    from ..assistant.generate import as_drafter
     from ..modeling import DMTPDraftModel, load_native_mtp
     from ..modeling.native_mtp.loading import MissingMTPTensorsError
 
@@ -220,7 +220,7 @@ def build_strategies(labels: list[str], target, paths: ModelPaths, fast_path: bo
         match = MTP_STRATEGY.match(label)
         if match:
             steps = int(match.group(1))
-            drafter = FastMTPDrafter(native_mtp(), steps) if fast_path else MTPDrafter(native_mtp(), steps)
+            drafter = as_drafter(native_mtp(), mtp_steps=steps, fast_path=fast_path)
             details = {"mtp_steps": steps, "fast_path": fast_path}
             strategies.append(Strategy(label, "mtp", drafter, None, details))
             continue
@@ -242,10 +242,7 @@ def build_strategies(labels: list[str], target, paths: ModelPaths, fast_path: bo
             path = paths.extra_drafts[label]
             draft = load_draft(path)
         kind = "dflash" if draft.config.anchor_layout == "dflash" else "dmtp"
-        if kind == "dflash":
-            drafter = FastDFlashDrafter(draft) if fast_path else DFlashDrafter(draft)
-        else:
-            drafter = FastDMTPDrafter(draft, draft.native_mtp) if fast_path else DMTPDrafter(draft, draft.native_mtp)
+        drafter = as_drafter(draft, strategy=kind, fast_path=fast_path)
         cfg = draft.config
         details = {
             "anchor_layout": cfg.anchor_layout,
