@@ -25,7 +25,6 @@ from transformers.cache_utils import DynamicCache
 from dmtp_hf import DMTPConfig, DMTPDraftModel
 from dmtp_hf.assistant import DFlashDrafter, DMTPDrafter, MTPDrafter, Proposal, SpecStats, speculative_decode
 from dmtp_hf.assistant.drafters import DrafterWrapper
-from dmtp_hf.assistant.fast_path import FastDMTPDrafter
 
 STAGE_ROWS = [
     ("mtp", "MTP advance (+ chained MTP steps)"),
@@ -159,13 +158,13 @@ def main(argv: list[str] | None = None) -> int:
         reference = target.generate(prompt, do_sample=False, max_length=max_length + 8)
         # name -> (drafter, linear-attention rollback); "dmtp-replay" measures snapshot + replay against per-step.
         strategies = {
-            "dmtp": (DMTPDrafter(draft, draft.native_mtp), "per_step"),
+            "dmtp": (DMTPDrafter(draft, draft.native_mtp), "rebuild"),
             "dmtp-replay": (DMTPDrafter(draft, draft.native_mtp), "replay"),
-            "dflash": (DFlashDrafter(dflash), "per_step"),
-            "mtp1": (MTPDrafter(draft.native_mtp, 1), "per_step"),
-            "mtp4": (MTPDrafter(draft.native_mtp, 4), "per_step"),
+            "dflash": (DFlashDrafter(dflash), "rebuild"),
+            "mtp1": (MTPDrafter(draft.native_mtp, 1), "rebuild"),
+            "mtp4": (MTPDrafter(draft.native_mtp, 4), "rebuild"),
             # fixed device-side slots; CUDA graphs for MTP advance, T1 + fusion and the DFlash block on GPU
-            "dmtp-fast": (FastDMTPDrafter(draft, draft.native_mtp), "per_step"),
+            "dmtp-fast": (DMTPDrafter(draft, draft.native_mtp, fixed_slots=True), "rebuild"),
         }
         # Interleave strategies and plain steps over repetitions and keep medians: machine noise hits all alike.
         samples: dict[str, list[dict]] = {name: [] for name in strategies}

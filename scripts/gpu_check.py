@@ -28,8 +28,7 @@ from pathlib import Path
 import torch
 
 from dmtp_hf import DMTPConfig, DMTPDraftModel
-from dmtp_hf.assistant import DMTPDrafter, SpecStats
-from dmtp_hf.assistant.fast_path import FastDFlashDrafter, FastDMTPDrafter, FastMTPDrafter
+from dmtp_hf.assistant import DFlashDrafter, DMTPDrafter, MTPDrafter, SpecStats
 from dmtp_hf.assistant.generate import generate
 from dmtp_hf.evaluation.models import eos_token_ids, load_target, load_tokenizer
 from dmtp_hf.evaluation.prompts import load_bundled_set
@@ -168,9 +167,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def drafters(graphs: bool):
         return {
-            "dmtp": FastDMTPDrafter(dmtp, dmtp.native_mtp, cuda_graphs=graphs),
-            "dflash": FastDFlashDrafter(dflash, cuda_graphs=graphs),
-            "mtp1": FastMTPDrafter(dmtp.native_mtp, 1, cuda_graphs=graphs),
+            "dmtp": DMTPDrafter(dmtp, dmtp.native_mtp, fixed_slots=True, cuda_graphs=graphs),
+            "dflash": DFlashDrafter(dflash, fixed_slots=True, cuda_graphs=graphs),
+            "mtp1": MTPDrafter(dmtp.native_mtp, 1, fixed_slots=True, cuda_graphs=graphs),
         }
 
     # ---- 1. Correctness: graph replay == eager fast path (and vs plain generate) ----------------------------------
@@ -201,10 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     # ---- 2. Per-stage round costs (synchronised stage timers) ----------------------------------------------------
     fast = "fast, graphs" if device.type == "cuda" else "fast"  # graphs need CUDA
     methods = {
-        f"dflash ({fast})": lambda: FastDFlashDrafter(dflash, cuda_graphs=True),
+        f"dflash ({fast})": lambda: DFlashDrafter(dflash, fixed_slots=True, cuda_graphs=True),
         "dmtp (dynamic, eager)": lambda: DMTPDrafter(dmtp, dmtp.native_mtp),
-        f"dmtp ({fast})": lambda: FastDMTPDrafter(dmtp, dmtp.native_mtp, cuda_graphs=True),
-        f"mtp1 ({fast})": lambda: FastMTPDrafter(dmtp.native_mtp, 1, cuda_graphs=True),
+        f"dmtp ({fast})": lambda: DMTPDrafter(dmtp, dmtp.native_mtp, fixed_slots=True, cuda_graphs=True),
+        f"mtp1 ({fast})": lambda: MTPDrafter(dmtp.native_mtp, 1, fixed_slots=True, cuda_graphs=True),
     }
     stage_rows = {}
     with torch.no_grad():

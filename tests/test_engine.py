@@ -340,10 +340,12 @@ def test_candidate_generator_in_transformers_loop_is_lossless(targets, family):
     prompt = torch.tensor([[5, 17, 42, 9, 77, 3, 64]])
     reference = greedy_reference(target, prompt)
     for name, drafter in strategies(target).items():
-        mixed = OracleMix(drafter, reference, seed=2)
-        out = generate_with_transformers_loop(target, prompt, mixed, do_sample=False, max_new_tokens=MAX_NEW)
+        mixed, stats = OracleMix(drafter, reference, seed=2), SpecStats(drafter.num_candidates, name)
+        out = generate_with_transformers_loop(
+            target, prompt, mixed, stats=stats, do_sample=False, max_new_tokens=MAX_NEW
+        )
         assert torch.equal(out, reference), name
-        assert sum(1 for count in mixed.last_stats.hist if count) >= 2
+        assert sum(1 for count in stats.hist if count) >= 2
 
 
 def test_transformers_loop_refuses_stateful_targets(targets):

@@ -1,6 +1,6 @@
-"""The fixed-slot fast path (assistant/fast_path.py): the same proposals as the dynamic drafters, round by round,
-for every family and strategy, batched with ragged acceptance and left padding, greedy and sampled; CUDA-graph
-replay equals eager where a GPU exists."""
+"""The fixed-slot fast path (``fixed_slots=True``, assistant/drafter_state.py): the same proposals as the dynamic
+drafters, round by round, for every family and strategy, batched with ragged acceptance and left padding, greedy
+and sampled; CUDA-graph replay equals eager where a GPU exists."""
 
 import pytest
 import torch
@@ -8,15 +8,9 @@ from conftest import draft_for
 from test_engine import OracleMix, greedy_reference
 
 from dmtp_hf.assistant import speculative_decode
+from dmtp_hf.assistant.cuda_graphs import CUDAGraphCall
+from dmtp_hf.assistant.drafter_state import FAR, SlotCache
 from dmtp_hf.assistant.drafters import DFlashDrafter, DMTPDrafter, DrafterWrapper, MTPDrafter
-from dmtp_hf.assistant.fast_path import (
-    FAR,
-    CUDAGraphCall,
-    FastDFlashDrafter,
-    FastDMTPDrafter,
-    FastMTPDrafter,
-    SlotCache,
-)
 from dmtp_hf.testing.tiny_targets import FAMILIES
 
 MAX_NEW = 24
@@ -40,10 +34,10 @@ def pairs(target):
     dual = draft_for(target)
     dflash = draft_for(target, anchor_layout="dflash")
     return {
-        "dmtp": (DMTPDrafter(dual, dual.native_mtp), FastDMTPDrafter(dual, dual.native_mtp)),
-        "dflash": (DFlashDrafter(dflash), FastDFlashDrafter(dflash)),
-        "mtp1": (MTPDrafter(dual.native_mtp, 1), FastMTPDrafter(dual.native_mtp, 1)),
-        "mtp4": (MTPDrafter(dual.native_mtp, 4), FastMTPDrafter(dual.native_mtp, 4)),
+        "dmtp": (DMTPDrafter(dual, dual.native_mtp), DMTPDrafter(dual, dual.native_mtp, fixed_slots=True)),
+        "dflash": (DFlashDrafter(dflash), DFlashDrafter(dflash, fixed_slots=True)),
+        "mtp1": (MTPDrafter(dual.native_mtp, 1), MTPDrafter(dual.native_mtp, 1, fixed_slots=True)),
+        "mtp4": (MTPDrafter(dual.native_mtp, 4), MTPDrafter(dual.native_mtp, 4, fixed_slots=True)),
     }
 
 
@@ -152,13 +146,13 @@ def test_cuda_graph_replay_matches_eager(targets):
     prompt = torch.tensor([[5, 17, 42, 9, 77, 3, 64]], device="cuda")
     reference = greedy_reference(target, prompt)
     dual = draft_for(target).cuda()
-    eager = FastDMTPDrafter(dual, dual.native_mtp, cuda_graphs=False)
-    graphed = FastDMTPDrafter(dual, dual.native_mtp, cuda_graphs=True)
+    eager = DMTPDrafter(dual, dual.native_mtp, fixed_slots=True, cuda_graphs=False)
+    graphed = DMTPDrafter(dual, dual.native_mtp, fixed_slots=True, cuda_graphs=True)
     out_e, _, proposals_e = _run(target, prompt, eager, reference, seed=2)
     out_g, _, proposals_g = _run(target, prompt, graphed, reference, seed=2)
     assert torch.equal(out_g, reference) and torch.equal(out_e, out_g)
     assert all(torch.equal(a, b) for a, b in zip(proposals_e, proposals_g))
-    assert graphed._advance.replays > 0 and graphed._draft_block.replays > 0
+    assert graphed.mtp._advance.replays > 0 and graphed.context._forward.replays > 0
 
 
 def test_gpu_check_script_dry_run_on_cpu(tmp_path, capsys):

@@ -11,6 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import dmtp_hf.modeling.native_mtp.loading as loading
+from dmtp_hf.assistant.drafter_state import MTPCache
 from dmtp_hf.modeling.native_mtp import (
     MissingMTPTensorsError,
     MTPLayout,
@@ -25,6 +26,17 @@ from dmtp_hf.modeling.native_mtp import (
 )
 from dmtp_hf.testing import FAMILIES, load_tiny_target, make_tiny_target, read_checkpoint_tensors
 from dmtp_hf.testing.tiny_targets import TINY_FP8_BLOCK
+
+
+class RoundState(MTPCache):
+    """The MTP round state as these tests drive it: ``prefill`` starts afresh, ``advance`` continues."""
+
+    def prefill(self, tokens, hidden, position_ids=None, attention_mask=None):
+        self.reset()
+        return self.consume(tokens, hidden, position_ids, attention_mask)
+
+    def advance(self, tokens, hidden, position_ids=None, attention_mask=None):
+        return self.consume(tokens, hidden, position_ids, attention_mask)
 
 
 @pytest.fixture(autouse=True)
@@ -149,21 +161,22 @@ def reference_logits(family, target, raw, ids_next, hidden, positions):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_head_matches_handwritten_reference(tiny, family):
     path, target, head = tiny(family)
+    state = RoundState(head)
     raw = read_checkpoint_tensors(path)
     ids = prompt_ids(batch=2, length=7)
     hidden = target_hidden(target, ids)
     positions = torch.arange(6)[None].expand(2, -1)  # pair (x_{t+1}, h_t) sits at the position t of h_t
 
-    g = head.prefill(ids[:, 1:], hidden[:, :-1])
+    g = state.prefill(ids[:, 1:], hidden[:, :-1])
     ref_g, ref_logits = reference_logits(family, target, raw, ids[:, 1:], hidden[:, :-1], positions)
     torch.testing.assert_close(g, ref_g, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(head.logits(g), ref_logits, atol=1e-5, rtol=1e-5)
-    logits, mtp_hidden = head.predict()
+    logits, mtp_hidden = state.predict()
     torch.testing.assert_close(logits, ref_logits[:, -1], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(mtp_hidden, ref_g[:, -1], atol=1e-5, rtol=1e-5)
 
     # RoPE is shift-invariant: Transformers' convention (the token's position t + 1) gives the same logits.
-    shifted = head.prefill(ids[:, 1:], hidden[:, :-1], position_ids=1)
+    shifted = state.prefill(ids[:, 1:], hidden[:, :-1], position_ids=1)
     torch.testing.assert_close(head.logits(shifted), ref_logits, atol=1e-5, rtol=1e-5)
 
     # The head owns neither the embedding nor the LM head: they are the target's, not saved with the head.
@@ -198,6 +211,7 @@ def test_head_matches_transformers_mtp_model(tiny, family):
     from transformers.modeling_layers import MtpModel
 
     _, target, head = tiny(family)
+    state = RoundState(head)
     reference = MtpModel.from_pretrained(target).eval()
     mtp_cache = MtpCache(config=target.config.get_mtp_config())
     ids = prompt_ids(length=9, seed=1)
@@ -209,7 +223,7 @@ def test_head_matches_transformers_mtp_model(tiny, family):
         tokens, h = ids[:, 1:][:, chunk], hidden[:, :-1][:, chunk]
         positions = torch.arange(chunk.start, chunk.stop)[None]
         theirs.append(reference._project_to_logits(reference.forward_layer(0, h, positions + 1, mtp_cache, tokens)))
-        step = head.prefill if chunk.start == 0 else head.advance  # advance: positions continue by themselves
+        step = state.prefill if chunk.start == 0 else state.advance  # advance: positions continue by themselves
         ours.append(head.logits(step(tokens, h)))
     torch.testing.assert_close(torch.cat(ours, 1), torch.cat(theirs, 1), atol=1e-5, rtol=1e-5)
 
@@ -218,13 +232,14 @@ def mtp1_greedy_decode(target, head, prompt, max_new_tokens):
     """Tiny MTP-1 speculative loop: MTP drafts T1, the target verifies [A, T1], accept/reject, advance the MTP."""
     from transformers import DynamicCache
 
+    state = RoundState(head)
     cache = DynamicCache(config=target.config)
     out = target(prompt, cache=cache, output_hidden_states=True)
     sequence = torch.cat([prompt, out.logits[:, -1:].argmax(-1)], dim=1)
-    head.prefill(sequence[:, 1:], out.hidden_states[-1])
+    state.prefill(sequence[:, 1:], out.hidden_states[-1])
     accepted = 0
     while sequence.shape[1] - prompt.shape[1] < max_new_tokens:
-        draft = head.predict()[0].argmax(-1, keepdim=True)  # [1, 1]
+        draft = state.predict()[0].argmax(-1, keepdim=True)  # [1, 1]
         length = sequence.shape[1]  # A = sequence[:, -1] sits at position length - 1
         verify = torch.cat([sequence[:, -1:], draft], dim=1)
         out = target(
@@ -239,7 +254,7 @@ def mtp1_greedy_decode(target, head, prompt, max_new_tokens):
             new_tokens, pairs = predicted[:, :1], 1
             cache.crop(-1)  # drop the rejected T1 from the target cache
         sequence = torch.cat([sequence, new_tokens], dim=1)
-        head.advance(new_tokens, out.hidden_states[-1][:, :pairs])
+        state.advance(new_tokens, out.hidden_states[-1][:, :pairs])
     return sequence[:, : prompt.shape[1] + max_new_tokens], accepted
 
 
@@ -261,29 +276,30 @@ def test_mtp1_greedy_decoding_is_lossless(tiny, family):
 # Cache semantics
 
 
-def cache_kv(head):
-    layer = head.cache.layers[0]
+def cache_kv(state):
+    layer = state.cache.layers[0]
     return layer.keys.clone(), layer.values.clone()
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "deepseek_v3"])
 def test_advance_after_partial_acceptance_equals_fresh_prefill(tiny, family):
     _, target, head = tiny(family)
+    state = RoundState(head)
     committed = prompt_ids(length=10, seed=3)  # x_0 .. x_9: x_0..x_6 prompt + first token, then a round
     hidden = target_hidden(target, committed)
 
-    head.prefill(committed[:, 1:7], hidden[:, :6])  # pairs t = 0..5, A = x_6
-    drafts, _ = head.propose(3)  # temporary chained entries, rolled back
-    assert head.num_committed == 6
+    state.prefill(committed[:, 1:7], hidden[:, :6])  # pairs t = 0..5, A = x_6
+    drafts, _ = state.propose(3)  # temporary chained entries, rolled back
+    assert state.num_committed == 6
     # "Verify" accepted 1 of the drafts (x_7) and produced the bonus x_8: pairs t = 6, 7. A third, rejected pair
     # (x_9, h_8) must leave no trace: it is never fed.
-    head.advance(committed[:, 7:9], hidden[:, 6:8])
-    kv_incremental = cache_kv(head)
-    logits_incremental, g_incremental = head.predict()
+    state.advance(committed[:, 7:9], hidden[:, 6:8])
+    kv_incremental = cache_kv(state)
+    logits_incremental, g_incremental = state.predict()
 
-    head.prefill(committed[:, 1:9], hidden[:, :8])
-    kv_fresh = cache_kv(head)
-    logits_fresh, g_fresh = head.predict()
+    state.prefill(committed[:, 1:9], hidden[:, :8])
+    kv_fresh = cache_kv(state)
+    logits_fresh, g_fresh = state.predict()
     assert kv_incremental[0].shape == kv_fresh[0].shape == kv_fresh[0].shape[:2] + (8,) + kv_fresh[0].shape[3:]
     torch.testing.assert_close(kv_incremental, kv_fresh, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(logits_incremental, logits_fresh, atol=1e-5, rtol=1e-5)
@@ -293,53 +309,55 @@ def test_advance_after_partial_acceptance_equals_fresh_prefill(tiny, family):
 @pytest.mark.parametrize("family", ["qwen3_next", "glm4_moe"])
 def test_propose_chains_and_leaves_committed_cache_unchanged(tiny, family):
     _, target, head = tiny(family)
+    state = RoundState(head)
     ids = prompt_ids(batch=2, length=8, seed=4)
     hidden = target_hidden(target, ids)
-    head.prefill(ids[:, 1:], hidden[:, :-1])
-    kv_before = cache_kv(head)
-    logits_before, g_before = head.predict()
+    state.prefill(ids[:, 1:], hidden[:, :-1])
+    kv_before = cache_kv(state)
+    logits_before, g_before = state.predict()
 
-    drafts, draft_logits = head.propose(4)
+    drafts, draft_logits = state.propose(4)
     assert drafts.shape == (2, 4) and draft_logits.shape == (2, 4, 128)
-    torch.testing.assert_close(cache_kv(head), kv_before, atol=0, rtol=0)
-    assert head.num_committed == 7
-    logits_after, g_after = head.predict()
+    torch.testing.assert_close(cache_kv(state), kv_before, atol=0, rtol=0)
+    assert state.num_committed == 7
+    logits_after, g_after = state.predict()
     assert torch.equal(logits_after, logits_before) and torch.equal(g_after, g_before)
     assert torch.equal(drafts[:, 0], logits_before.argmax(-1))
     torch.testing.assert_close(draft_logits[:, 0], logits_before)
 
     # Step 2 is the pair (draft 1, g) at the next position: committing it by hand reproduces draft 2.
-    head.consume(drafts[:, :1], g_before[:, None])
-    step2_logits, _ = head.predict()
+    state.consume(drafts[:, :1], g_before[:, None])
+    step2_logits, _ = state.predict()
     torch.testing.assert_close(draft_logits[:, 1], step2_logits, atol=1e-5, rtol=1e-5)
     assert torch.equal(drafts[:, 1], step2_logits.argmax(-1))
 
     # A sampler callable is used for every step.
-    head.prefill(ids[:, 1:], hidden[:, :-1])
-    picked, _ = head.propose(3, select=lambda logits: logits.argsort(-1)[:, -2])  # second-best token
+    state.prefill(ids[:, 1:], hidden[:, :-1])
+    picked, _ = state.propose(3, select=lambda logits: logits.argsort(-1)[:, -2])  # second-best token
     assert torch.equal(picked[:, 0], logits_before.argsort(-1)[:, -2])
 
 
 def test_padded_batch_advance_matches_unpadded_rows(tiny):
     _, target, head = tiny("deepseek_v3")
+    state = RoundState(head)
     ids = prompt_ids(batch=2, length=9, seed=5)
     hidden = target_hidden(target, ids)
 
     def single_row(row, num_pairs):
-        head.reset()
-        head.consume(ids[row : row + 1, 1 : num_pairs + 1], hidden[row : row + 1, :num_pairs])
-        return head.predict()[0][0]
+        state.reset()
+        state.consume(ids[row : row + 1, 1 : num_pairs + 1], hidden[row : row + 1, :num_pairs])
+        return state.predict()[0][0]
 
     expected = {(0, 7): single_row(0, 7), (1, 6): single_row(1, 6), (0, 8): single_row(0, 8), (1, 7): single_row(1, 7)}
-    head.prefill(ids[:, 1:6], hidden[:, :5])  # pairs t = 0..4
+    state.prefill(ids[:, 1:6], hidden[:, :5])  # pairs t = 0..4
     # Row 0 accepted its draft (2 new pairs), row 1 did not (1 real pair + 1 padding slot).
-    head.advance(ids[:, 6:8], hidden[:, 5:7], attention_mask=torch.tensor([[1, 1], [1, 0]]))
-    logits, _ = head.predict()
+    state.advance(ids[:, 6:8], hidden[:, 5:7], attention_mask=torch.tensor([[1, 1], [1, 0]]))
+    logits, _ = state.predict()
     torch.testing.assert_close(logits[0], expected[(0, 7)], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(logits[1], expected[(1, 6)], atol=1e-5, rtol=1e-5)
     # Next round, one pair each: row 0's t = 7, row 1's t = 6 (positions continue per row).
-    head.advance(torch.stack([ids[0, 8:9], ids[1, 7:8]]), torch.stack([hidden[0, 7:8], hidden[1, 6:7]]))
-    logits, _ = head.predict()
+    state.advance(torch.stack([ids[0, 8:9], ids[1, 7:8]]), torch.stack([hidden[0, 7:8], hidden[1, 6:7]]))
+    logits, _ = state.predict()
     torch.testing.assert_close(logits[0], expected[(0, 8)], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(logits[1], expected[(1, 7)], atol=1e-5, rtol=1e-5)
 
@@ -370,8 +388,8 @@ def test_sharded_checkpoint_opens_only_mtp_shards(tiny, tmp_path, monkeypatch):
     ids = prompt_ids(length=6, seed=7)
     hidden = target_hidden(target, ids)
     torch.testing.assert_close(
-        head.logits(head.prefill(ids[:, 1:], hidden[:, :-1])),
-        single_file_head.logits(single_file_head.prefill(ids[:, 1:], hidden[:, :-1])),
+        head.logits(RoundState(head).prefill(ids[:, 1:], hidden[:, :-1])),
+        single_file_head.logits(RoundState(single_file_head).prefill(ids[:, 1:], hidden[:, :-1])),
         atol=0,
         rtol=0,
     )
@@ -412,7 +430,7 @@ def test_fp8_mtp_weights_are_dequantized_on_load(tmp_path):
     assert not any("scale" in name for name in head.state_dict())
     ids = prompt_ids(length=6, seed=2)
     hidden = target_hidden(target, ids)
-    g = head.prefill(ids[:, 1:], hidden[:, :-1])
+    g = RoundState(head).prefill(ids[:, 1:], hidden[:, :-1])
     _, ref_logits = reference_logits(
         "deepseek_v3", target, dequantized, ids[:, 1:], hidden[:, :-1], torch.arange(5)[None]
     )
@@ -505,8 +523,8 @@ def test_multimodal_wrapper_target_loads_the_same_head(tiny):
     ids = prompt_ids(length=6, seed=9)
     hidden = target_hidden(target, ids)
     torch.testing.assert_close(
-        wrapper_head.logits(wrapper_head.prefill(ids[:, 1:], hidden[:, :-1])),
-        head.logits(head.prefill(ids[:, 1:], hidden[:, :-1])),
+        wrapper_head.logits(RoundState(wrapper_head).prefill(ids[:, 1:], hidden[:, :-1])),
+        head.logits(RoundState(head).prefill(ids[:, 1:], hidden[:, :-1])),
         atol=1e-6,
         rtol=1e-6,
     )
@@ -551,8 +569,8 @@ def test_registry_adds_a_family_with_one_entry(tiny, monkeypatch, tmp_path):
     hidden = target_hidden(target, ids)
     assert head.layout.name == "qwen2_mtp"
     torch.testing.assert_close(
-        head.logits(head.prefill(ids[:, 1:], hidden[:, :-1])),
-        mimo_head.logits(mimo_head.prefill(ids[:, 1:], hidden[:, :-1])),
+        head.logits(RoundState(head).prefill(ids[:, 1:], hidden[:, :-1])),
+        mimo_head.logits(RoundState(mimo_head).prefill(ids[:, 1:], hidden[:, :-1])),
         atol=0,
         rtol=0,
     )

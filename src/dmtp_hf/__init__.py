@@ -22,6 +22,8 @@ from .assistant import (
     dmtp_custom_generate,
     generate,
     generate_with_transformers_loop,
+    install_generate_router,
+    route_bound_targets,
     speculative_decode,
 )
 from .modeling import (
@@ -38,6 +40,8 @@ __version__ = "0.1.0.dev0"
 
 AutoConfig.register(DMTPConfig.model_type, DMTPConfig, exist_ok=True)
 AutoModel.register(DMTPConfig, DMTPDraftModel, exist_ok=True)
+# Binding a draft to a target routes that target's `generate(assistant_model=...)` into the engine (router.py).
+route_bound_targets()
 
 __all__ = [
     "DFlashDrafter",
@@ -56,6 +60,7 @@ __all__ = [
     "dmtp_custom_generate",
     "generate",
     "generate_with_transformers_loop",
+    "install_generate_router",
     "load_native_mtp",
     "speculative_decode",
 ]

@@ -1,30 +1,30 @@
-"""What runs at generation: drafters, the decoding round, verification, cache rollback, statistics."""
+"""What runs at generation: drafters and their state, the decoding round, verification, target cache rollback,
+statistics, and the entry points (``generate``, ``custom_generate``, the ``target.generate`` router)."""
 
 from .candidate_generator import DMTPCandidateGenerator, generate_with_transformers_loop
 from .decoding import speculative_decode
-from .drafters import (
-    DFlashDrafter,
-    DMTPDrafter,
-    Drafter,
-    DrafterWrapper,
-    MTPDrafter,
-    Proposal,
-    TargetStep,
-    TokenSelector,
-)
-from .generate import DMTPGenerateOutput, as_drafter, dmtp_custom_generate, generate, install_generate_router
+from .drafter_state import DFlashContext, MTPCache, MTPSlots, SlotCache, SlotDFlashContext
+from .drafters import DFlashDrafter, DMTPDrafter, Drafter, DrafterWrapper, MTPDrafter, Proposal, TokenSelector
+from .generate import DMTPGenerateOutput, as_drafter, dmtp_custom_generate, generate
+from .router import install_generate_router, route_bound_targets
 from .stats import SpecStats
+from .target_step import TargetStep
 from .verification import VERIFY_MODES, verify
 
 __all__ = [
+    "DFlashContext",
     "DFlashDrafter",
     "DMTPCandidateGenerator",
     "DMTPDrafter",
     "DMTPGenerateOutput",
     "Drafter",
     "DrafterWrapper",
+    "MTPCache",
     "MTPDrafter",
+    "MTPSlots",
     "Proposal",
+    "SlotCache",
+    "SlotDFlashContext",
     "SpecStats",
     "TargetStep",
     "TokenSelector",
@@ -34,6 +34,7 @@ __all__ = [
     "generate",
     "generate_with_transformers_loop",
     "install_generate_router",
+    "route_bound_targets",
     "speculative_decode",
     "verify",
 ]

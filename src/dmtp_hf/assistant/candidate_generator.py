@@ -15,8 +15,10 @@ import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..modeling.native_mtp.hidden import TargetHiddenExtractor
-from .drafters import Drafter, TargetStep, TokenSelector
+from .drafters import Drafter, TokenSelector
+from .generate import ROUTER_ORIGINAL
 from .stats import SpecStats
+from .target_step import TargetStep
 
 
 class DMTPCandidateGenerator(CandidateGenerator):
@@ -35,11 +37,7 @@ class DMTPCandidateGenerator(CandidateGenerator):
         self.select = TokenSelector(logits_processor, self.do_sample)
         self.hidden_indices = [i + 1 for i in drafter.target_layer_ids()] if drafter.needs_features else []
         self.model_kwargs_overrides = {"output_hidden_states": self.hidden_indices or [-1]}
-        self.extractor = (
-            TargetHiddenExtractor(target, getattr(drafter, "hidden_input", "post_norm"))
-            if drafter.needs_mtp_hidden
-            else None
-        )
+        self.extractor = TargetHiddenExtractor(target, drafter.hidden_input) if drafter.needs_mtp_hidden else None
         self.stats = SpecStats(drafter.num_candidates, drafter.name)
         self.request = self.stats.new_request()
         self.started = False
@@ -87,11 +85,13 @@ class DMTPCandidateGenerator(CandidateGenerator):
             self.extractor.remove()
 
 
-def generate_with_transformers_loop(target, input_ids: torch.LongTensor, drafter: Drafter, **generate_kwargs: Any):
+def generate_with_transformers_loop(
+    target, input_ids: torch.LongTensor, drafter: Drafter, *, stats: SpecStats | None = None, **generate_kwargs: Any
+):
     """Run ``target.generate`` through Transformers' stock assisted-decoding loop with a ``DMTPCandidateGenerator``.
 
     Only for non-stateful targets at batch size 1 (Transformers refuses the others). Returns what ``generate``
-    returns; the generator's statistics are left in ``drafter.last_stats``.
+    returns; the round statistics are added to ``stats`` when given.
     """
     if getattr(target, "_is_stateful", False):
         raise ValueError(
@@ -105,7 +105,9 @@ def generate_with_transformers_loop(target, input_ids: torch.LongTensor, drafter
         generators.append(generator)
         return generator
 
-    original_generate = getattr(target, "_dmtp_original_generate", target.generate)
+    original_generate = getattr(target, ROUTER_ORIGINAL, target.generate)
+    # Transformers offers no argument to pass a candidate generator: this instance's factory method is overridden
+    # for the duration of the call (nothing else changes, and it is removed afterwards).
     target._get_candidate_generator = types.MethodType(get_candidate_generator, target)
     try:
         # `prompt_lookup_num_tokens` only switches `generate` into assisted mode; the override above replaces the
@@ -115,4 +117,5 @@ def generate_with_transformers_loop(target, input_ids: torch.LongTensor, drafter
         del target._get_candidate_generator
         for generator in generators:
             generator.close()
-            drafter.last_stats = generator.stats
+            if stats is not None:
+                stats.merge(generator.stats)

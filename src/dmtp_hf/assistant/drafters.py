@@ -3,7 +3,10 @@
 them differ only in how candidates are proposed.
 
 A drafter sees the target only through :class:`TargetStep` (tokens, hidden states and context features of
-positions the target has just committed) and returns a :class:`Proposal` per round.
+positions the target has just committed) and returns a :class:`Proposal` per round. Its state between rounds (the
+MTP cache, the DFlash context) lives in a backend from ``drafter_state.py``: growing dynamic caches by default,
+fixed device-side slots with ``fixed_slots=True`` (CUDA-graph replays on CUDA with ``cuda_graphs``). The backend
+changes where tensors live, never the proposals.
 """
 
 from __future__ import annotations
@@ -13,39 +16,19 @@ from dataclasses import dataclass
 
 import torch
 from transformers import LogitsProcessorList
-from transformers.cache_utils import DynamicCache
 
 from ..modeling.modeling_dmtp import DMTPDraftModel
+from ..modeling.native_mtp.head import NativeMTPHead
+from .drafter_state import DFlashContext, MTPCache, MTPSlots, SlotDFlashContext
 from .stats import SpecStats
+from .target_step import TargetStep
 from .verification import process_logits, select_tokens
 
-
-def _pair_mask(step: TargetStep) -> torch.Tensor | None:
-    """The MTP head's pair mask (``None`` when every pair is real, which keeps its fast unmasked path)."""
-    if step.mask is None or bool(step.mask.all()):
-        return None
-    return step.mask.long()
+DEFAULT_CAPACITY = 4096  # fixed-slot capacity per row when the decoding loop did not call `reserve`
 
 
 def _stage(stats: SpecStats | None, name: str):
     return stats.stage(name) if stats is not None else contextlib.nullcontext()
-
-
-@dataclass
-class TargetStep:
-    """What the target just committed, handed to drafters after prefill and after each verify.
-
-    Entry i of row b is target position ``positions[b, i] = t``: ``next_tokens[b, i]`` = ``x_{t+1}`` (the token that
-    followed position t), ``mtp_hidden[b, i]`` = ``h_t`` as the MTP head reads it (post-norm by default) and
-    ``features[b, i]`` = the DFlash context features of position t. ``mask[b, i]`` says whether the entry is real:
-    batched rows commit different numbers of tokens, and prompts may be left-padded (``None``: all real).
-    """
-
-    positions: torch.Tensor  # [B, n]
-    next_tokens: torch.Tensor  # [B, n]
-    mask: torch.Tensor | None  # [B, n] bool
-    mtp_hidden: torch.Tensor | None  # [B, n, H]
-    features: torch.Tensor | None  # [B, n, k*H]
 
 
 @dataclass
@@ -82,20 +65,31 @@ class TokenSelector:
 
 
 class Drafter:
-    """Base class of drafting strategies (see module docstring)."""
+    """The interface the decoding loop drives (one round: `propose`, then `advance` with what was committed).
+
+    Attributes the loop reads:
+        name: label of the strategy in statistics.
+        num_candidates: K, candidates per round.
+        needs_features: the target must return the DFlash context features (at :meth:`target_layer_ids`).
+        needs_mtp_hidden: the target must provide the hidden state the MTP head reads.
+        hidden_input: which one: ``"post_norm"`` (the tensor fed to the LM head) or ``"pre_norm"``.
+        fixed_slots: `advance` takes all ``K + 1`` verify slots with a validity mask (fixed shapes, no host sync);
+            otherwise only the committed width.
+    """
 
     name = "drafter"
     num_candidates: int
-    needs_features = False  # whether the target must return DFlash context features
-    needs_mtp_hidden = False  # whether the target must provide the MTP input hidden
-    fixed_slots = False  # advance takes the verify's K + 1 slots with a validity mask (fast path, no host sync)
+    needs_features = False
+    needs_mtp_hidden = False
+    hidden_input = "post_norm"
+    fixed_slots = False
 
     def target_layer_ids(self) -> list[int]:
         """Target layers whose outputs form the context features (empty if unused)."""
         return []
 
     def reserve(self, max_positions: int) -> None:
-        """Called before `start` with the longest sequence of the call (fixed-capacity drafters size their state)."""
+        """Called before `start` with the longest sequence of the call (fixed slots size their buffers)."""
 
     def start(self, step: TargetStep) -> None:
         """Initialise the drafter's state from the prompt (after the target prefill)."""
@@ -122,8 +116,7 @@ class Drafter:
 
 class DrafterWrapper(Drafter):
     """Base for drafters that adjust another drafter's proposals (e.g. constrain or corrupt them for tests and
-    benchmarks): state handling (start/advance) and target requirements are forwarded to ``inner``; subclasses
-    override :meth:`propose`."""
+    benchmarks): everything but :meth:`propose` is forwarded to ``inner``."""
 
     def __init__(self, inner: Drafter) -> None:
         self.inner = inner
@@ -131,7 +124,7 @@ class DrafterWrapper(Drafter):
         self.num_candidates = inner.num_candidates
         self.needs_features = inner.needs_features
         self.needs_mtp_hidden = inner.needs_mtp_hidden
-        self.hidden_input = getattr(inner, "hidden_input", "post_norm")
+        self.hidden_input = inner.hidden_input
         self.fixed_slots = inner.fixed_slots
 
     def target_layer_ids(self) -> list[int]:
@@ -161,103 +154,65 @@ class DrafterWrapper(Drafter):
         return self.inner.select_rows(rows)
 
 
-class _DFlashContext:
-    """The DFlash draft's context: cached context K/V plus target features not yet fed to the draft.
+class _StatefulDrafter(Drafter):
+    """Builds the drafter state backends (``fixed_slots`` or dynamic) of the strategies below."""
 
-    Entries are appended in commit order with their own positions (RoPE) and validity: the block attends to every
-    real context entry, so their order in the cache does not matter and padded entries are simply masked.
-    """
+    def __init__(self, fixed_slots: bool, cuda_graphs: bool) -> None:
+        self.fixed_slots = fixed_slots
+        self.cuda_graphs = cuda_graphs
+        self.capacity = DEFAULT_CAPACITY
+        self.mtp: MTPCache | MTPSlots | None = None
+        self.context: DFlashContext | SlotDFlashContext | None = None
 
-    def __init__(self, draft: DMTPDraftModel) -> None:
-        self.draft = draft
-        self.cache = DynamicCache()
-        self.pending: list[TargetStep] = []
-        self.positions: torch.Tensor | None = None  # [B, C] positions of the cached entries
-        self.mask: torch.Tensor | None = None  # [B, C] validity of the cached entries
+    def reserve(self, max_positions: int) -> None:
+        """Size fixed slots for sequences of up to ``max_positions`` tokens (plus one verify's candidates)."""
+        self.capacity = max_positions + self.num_candidates + 1
 
-    def add(self, step: TargetStep) -> None:
-        """Queue the features of newly committed positions (fed to the draft with the next block)."""
-        self.pending.append(step)
+    def _new_mtp_state(self, head: NativeMTPHead) -> MTPCache | MTPSlots:
+        return MTPSlots(head, self.capacity, self.cuda_graphs) if self.fixed_slots else MTPCache(head)
 
-    def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep only batch ``rows`` of the cache, the entry bookkeeping and any queued features."""
-        self.cache.reorder_cache(rows)
-        if self.positions is not None:
-            self.positions, self.mask = self.positions[rows], self.mask[rows]
-        self.pending = [
-            TargetStep(
-                *(
-                    None if t is None else t[rows]
-                    for t in (s.positions, s.next_tokens, s.mask, s.mtp_hidden, s.features)
-                )
-            )
-            for s in self.pending
-        ]
+    def _new_context(self, draft: DMTPDraftModel) -> DFlashContext | SlotDFlashContext:
+        return SlotDFlashContext(draft, self.capacity, self.cuda_graphs) if self.fixed_slots else DFlashContext(draft)
 
-    def run_block(self, block_embeds: torch.Tensor, anchor_positions: torch.Tensor) -> torch.Tensor:
-        """One draft forward over the block; returns the final-normed block hidden ``[B, Q, H]``."""
-        features = torch.cat([step.features for step in self.pending], dim=1) if self.pending else None
-        new_positions = torch.cat([step.positions for step in self.pending], dim=1) if self.pending else None
-        new_mask = (
-            torch.cat(
-                [
-                    step.mask if step.mask is not None else torch.ones_like(step.positions, dtype=torch.bool)
-                    for step in self.pending
-                ],
-                dim=1,
-            )
-            if self.pending
-            else None
-        )
-        self.pending = []
-        if new_positions is not None:
-            self.positions = new_positions if self.positions is None else torch.cat([self.positions, new_positions], 1)
-            self.mask = new_mask if self.mask is None else torch.cat([self.mask, new_mask], 1)
-        block_positions = self.draft.block_position_ids(anchor_positions)
-        positions = block_positions if new_positions is None else torch.cat([new_positions, block_positions], dim=1)
-        return self.draft(
-            block_embeds,
-            features,
-            positions,
-            cache=self.cache,
-            context_mask=self.mask,
-            context_positions=self.positions,
-        ).last_hidden_state
+    def select_rows(self, rows: torch.Tensor) -> bool:
+        """Drop finished rows from every piece of state."""
+        for state in (self.mtp, self.context):
+            if state is not None:
+                state.select_rows(rows)
+        return True
 
 
-class DFlashDrafter(Drafter):
+class DFlashDrafter(_StatefulDrafter):
     """DFlash alone: block ``[A, MASK x K]``, all K candidates from one parallel forward."""
 
     name = "dflash"
     needs_features = True
 
-    def __init__(self, draft: DMTPDraftModel) -> None:
+    def __init__(self, draft: DMTPDraftModel, *, fixed_slots: bool = False, cuda_graphs: bool = True) -> None:
         if draft.config.anchor_layout != "dflash":
             raise ValueError(
                 "DFlashDrafter needs a draft with anchor_layout='dflash' "
                 f"(got {draft.config.anchor_layout!r}); load it with anchor_layout='dflash'."
             )
+        super().__init__(fixed_slots, cuda_graphs)
         self.draft = draft
         self.num_candidates = draft.config.num_candidates
-        self.context: _DFlashContext | None = None
 
     def target_layer_ids(self) -> list[int]:
         """The draft's feature layers."""
         return list(self.draft.config.target_layer_ids)
 
     def start(self, step: TargetStep) -> None:
-        """Fresh context cache holding the prompt features."""
-        self.context = _DFlashContext(self.draft)
-        self.context.add(step)
+        """Fresh context holding the prompt features."""
+        self.context = self._new_context(self.draft)
+        self.context.start(step)
 
     def propose(
         self, prefix: torch.Tensor, anchor_positions: torch.Tensor, select: TokenSelector, stats: SpecStats
     ) -> Proposal:
         """``[A, MASK x K]`` -> K candidates."""
         with stats.stage("dflash"):
-            block = self.draft.block_embeddings(prefix[:, -1])
-            hidden = self.context.run_block(block, anchor_positions)
-            logits = self.draft.compute_logits(hidden[:, self.draft.config.first_predicted_slot :])
+            logits = self.context.candidate_logits(self.draft.block_embeddings(prefix[:, -1]), anchor_positions)
             tokens, scores = select(logits, prefix)
         return Proposal(tokens, scores)
 
@@ -265,35 +220,28 @@ class DFlashDrafter(Drafter):
         """Queue the accepted positions' features."""
         self.context.add(step)
 
-    def select_rows(self, rows: torch.Tensor) -> bool:
-        """Drop finished rows from the DFlash context."""
-        self.context.select_rows(rows)
-        return True
 
-
-class MTPDrafter(Drafter):
+class MTPDrafter(_StatefulDrafter):
     """Native MTP-k: the target's MTP head chained k times (k = 4 is the blog's MTP415)."""
 
-    name = "mtp"
     needs_mtp_hidden = True
 
-    def __init__(self, mtp_head, num_steps: int = 1) -> None:
+    def __init__(
+        self, mtp_head: NativeMTPHead, num_steps: int = 1, *, fixed_slots: bool = False, cuda_graphs: bool = True
+    ) -> None:
         if num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
-        self.mtp = mtp_head
-        self.state = mtp_head  # holds the committed MTP state: the head itself (fast path: its fixed slots)
+        super().__init__(fixed_slots, cuda_graphs)
+        self.head = mtp_head
+        self.hidden_input = mtp_head.hidden_input
         self.num_candidates = num_steps
         self.name = f"mtp{num_steps}"
 
-    @property
-    def hidden_input(self) -> str:
-        """Which target hidden the MTP head reads ('post_norm' or 'pre_norm')."""
-        return self.mtp.hidden_input
-
     def start(self, step: TargetStep) -> None:
-        """Prefill the MTP head over all prompt pairs."""
+        """Prefill the MTP state over all prompt pairs."""
+        self.mtp = self._new_mtp_state(self.head)
         with torch.no_grad():
-            self.state.prefill(step.next_tokens, step.mtp_hidden, step.positions, _pair_mask(step))
+            self.mtp.prefill(step)
 
     def propose(
         self, prefix: torch.Tensor, anchor_positions: torch.Tensor, select: TokenSelector, stats: SpecStats
@@ -309,51 +257,50 @@ class MTPDrafter(Drafter):
             scores.append(score[:, 0])
             return token[:, 0]
 
-        with stats.stage("mtp"):
-            tokens, _ = self.state.propose(self.num_candidates, select_step)
+        with stats.stage("mtp"), torch.no_grad():
+            tokens, _ = self.mtp.propose(self.num_candidates, select_step)
         return Proposal(tokens, torch.stack(scores, dim=1))
 
     def advance(self, step: TargetStep, stats: SpecStats | None = None) -> None:
-        """Commit the accepted pairs to the MTP cache."""
+        """Commit the accepted pairs to the MTP state."""
         with _stage(stats, "mtp"), torch.no_grad():
-            self.state.advance(step.next_tokens, step.mtp_hidden, step.positions, _pair_mask(step))
-
-    def select_rows(self, rows: torch.Tensor) -> bool:
-        """Drop finished rows from the MTP head's state."""
-        self.state.select_rows(rows)
-        return True
+            self.mtp.advance(step)
 
 
-class DMTPDrafter(Drafter):
+class DMTPDrafter(_StatefulDrafter):
     """DMTP: the native MTP head proposes T1, the DFlash draft T2..T7 conditioned on T1 and its MTP hidden."""
 
     name = "dmtp"
     needs_features = True
     needs_mtp_hidden = True
 
-    def __init__(self, draft: DMTPDraftModel, mtp_head) -> None:
+    def __init__(
+        self,
+        draft: DMTPDraftModel,
+        mtp_head: NativeMTPHead,
+        *,
+        fixed_slots: bool = False,
+        cuda_graphs: bool = True,
+    ) -> None:
         if draft.config.anchor_layout == "dflash":
             raise ValueError("DMTPDrafter needs anchor_layout 'single' or 'dual'; use DFlashDrafter for 'dflash'.")
+        super().__init__(fixed_slots, cuda_graphs)
         self.draft = draft
-        self.mtp = mtp_head
+        self.head = mtp_head
+        self.hidden_input = mtp_head.hidden_input
         self.num_candidates = draft.config.num_candidates
-        self.context: _DFlashContext | None = None
-
-    @property
-    def hidden_input(self) -> str:
-        """Which target hidden the MTP head reads ('post_norm' or 'pre_norm')."""
-        return self.mtp.hidden_input
 
     def target_layer_ids(self) -> list[int]:
         """The draft's feature layers."""
         return list(self.draft.config.target_layer_ids)
 
     def start(self, step: TargetStep) -> None:
-        """Prefill the MTP head over the prompt pairs and queue the prompt features for DFlash."""
-        self.context = _DFlashContext(self.draft)
-        self.context.add(step)
+        """Prefill the MTP state over the prompt pairs and queue the prompt features for DFlash."""
+        self.mtp = self._new_mtp_state(self.head)
+        self.context = self._new_context(self.draft)
+        self.context.start(step)
         with torch.no_grad():
-            self.mtp.prefill(step.next_tokens, step.mtp_hidden, step.positions, _pair_mask(step))
+            self.mtp.prefill(step)
 
     def propose(
         self, prefix: torch.Tensor, anchor_positions: torch.Tensor, select: TokenSelector, stats: SpecStats
@@ -364,19 +311,12 @@ class DMTPDrafter(Drafter):
             t1, t1_scores = select(t1_logits[:, None], prefix)
             block = self.draft.block_embeddings(prefix[:, -1], t1[:, 0], mtp_hidden)
         with stats.stage("dflash"):
-            hidden = self.context.run_block(block, anchor_positions)
-            logits = self.draft.compute_logits(hidden[:, self.draft.config.first_predicted_slot :])
+            logits = self.context.candidate_logits(block, anchor_positions)
             rest, rest_scores = select(logits, torch.cat([prefix, t1], dim=1))
         return Proposal(torch.cat([t1, rest], dim=1), torch.cat([t1_scores, rest_scores], dim=1))
 
     def advance(self, step: TargetStep, stats: SpecStats | None = None) -> None:
-        """Commit accepted pairs to the MTP cache (its next ``g`` predicts the next T1); queue DFlash context."""
+        """Commit accepted pairs to the MTP state (its next ``g`` predicts the next T1); queue DFlash context."""
         self.context.add(step)
         with _stage(stats, "mtp"), torch.no_grad():
-            self.mtp.advance(step.next_tokens, step.mtp_hidden, step.positions, _pair_mask(step))
-
-    def select_rows(self, rows: torch.Tensor) -> bool:
-        """Drop finished rows from the MTP head and the DFlash context."""
-        self.mtp.select_rows(rows)
-        self.context.select_rows(rows)
-        return True
+            self.mtp.advance(step)

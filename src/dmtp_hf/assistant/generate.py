@@ -1,17 +1,12 @@
-"""Entry points: ``target.generate(**inputs, assistant_model=dmtp)``, ``custom_generate`` and ``dmtp_hf.generate``.
+"""Entry points into the engine through Transformers' ``custom_generate`` hook: :func:`dmtp_custom_generate` and
+:func:`generate` (``dmtp_hf.generate``). Input preparation, generation config, logits processors (temperature,
+top-k/p, ...), stopping criteria, ``max_new_tokens`` and EOS handling stay Transformers' own.
 
-Stock assisted decoding refuses stateful (hybrid linear-attention) targets and drives only its own candidate
-generators. Binding a draft to its target (``DMTPDraftModel.from_pretrained(path, target=target)`` or
-``draft.bind(target)``) installs a thin per-instance router on ``target.generate``: when ``assistant_model`` is a
-DMTP draft (or any :class:`Drafter`), the call is forwarded to Transformers' sanctioned ``custom_generate`` hook
-with :func:`dmtp_custom_generate`, so input preparation, generation config, logits processors (temperature,
-top-k/p, ...), stopping criteria, ``max_new_tokens`` and EOS handling stay Transformers' own. Every other call goes
-to the original ``generate`` untouched.
+``target.generate(**inputs, assistant_model=dmtp)`` reaches the same hook through the router (``router.py``).
 """
 
 from __future__ import annotations
 
-import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,10 +14,14 @@ import torch
 from transformers.cache_utils import StaticCache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from ..modeling.modeling_dmtp import DMTPDraftModel
+from ..modeling.native_mtp.head import NativeMTPHead
 from .decoding import speculative_decode
 from .drafters import DFlashDrafter, DMTPDrafter, Drafter, MTPDrafter
 from .stats import SpecStats
-from .target_state import static_capacity
+from .target_cache import static_capacity
+
+ROUTER_ORIGINAL = "_dmtp_original_generate"  # where the router keeps a target's own `generate`
 
 
 @dataclass
@@ -40,32 +39,24 @@ def as_drafter(
 
     ``strategy`` overrides the default for a draft model: ``"dmtp"`` (layout ``single``/``dual``), ``"dflash"``
     (layout ``dflash``) or ``"mtp"`` (its bound native MTP head alone, chained ``mtp_steps`` times).
-    ``fast_path`` keeps the drafter state in fixed device-side slots (``fast_path.py``) and, on CUDA with
-    ``cuda_graphs``, replays the greedy MTP / T1 / DFlash stages as CUDA graphs; the tokens are the same.
+    ``fast_path`` keeps the drafter state in fixed device-side slots (``drafter_state.py``) and, on CUDA with
+    ``cuda_graphs``, replays the fixed-shape stages as CUDA graphs; the tokens are the same.
     Returns ``None`` for anything else (so the router leaves the call to Transformers).
     """
-    from ..modeling.modeling_dmtp import DMTPDraftModel
-    from ..modeling.native_mtp.head import NativeMTPHead
-    from .fast_path import FastDFlashDrafter, FastDMTPDrafter, FastMTPDrafter
-
     if isinstance(assistant, Drafter):
         return assistant
-    # The fast-path drafters take the same arguments, plus whether to capture CUDA graphs.
-    extra = {"cuda_graphs": cuda_graphs} if fast_path else {}
-    mtp_class, dflash_class, dmtp_class = (
-        (FastMTPDrafter, FastDFlashDrafter, FastDMTPDrafter) if fast_path else (MTPDrafter, DFlashDrafter, DMTPDrafter)
-    )
+    backend = {"fixed_slots": fast_path, "cuda_graphs": cuda_graphs}
     if isinstance(assistant, NativeMTPHead):
-        return mtp_class(assistant, mtp_steps, **extra)
+        return MTPDrafter(assistant, mtp_steps, **backend)
     if not isinstance(assistant, DMTPDraftModel):
         return None
     strategy = strategy or ("dflash" if assistant.config.anchor_layout == "dflash" else "dmtp")
     if strategy == "dflash":
-        return dflash_class(assistant, **extra)
+        return DFlashDrafter(assistant, **backend)
     if strategy == "mtp":
-        return mtp_class(assistant.native_mtp, mtp_steps, **extra)
+        return MTPDrafter(assistant.native_mtp, mtp_steps, **backend)
     if strategy == "dmtp":
-        return dmtp_class(assistant, assistant.native_mtp, **extra)
+        return DMTPDrafter(assistant, assistant.native_mtp, **backend)
     raise ValueError(f"Unknown drafting strategy {strategy!r}; expected 'dmtp', 'dflash' or 'mtp'.")
 
 
@@ -111,7 +102,6 @@ def dmtp_custom_generate(
         streamer=dmtp_streamer,
         profile=dmtp_profile,
     )
-    dmtp_drafter.last_stats = stats
     if generation_config.return_dict_in_generate:
         return DMTPGenerateOutput(sequences=sequences, cache=cache, spec_stats=stats)
     return sequences
@@ -142,7 +132,7 @@ def generate(
         raise TypeError(
             f"Cannot draft with {type(assistant).__name__}; pass a DMTPDraftModel, NativeMTPHead or Drafter."
         )
-    original = getattr(target, "_dmtp_original_generate", target.generate)
+    original = getattr(target, ROUTER_ORIGINAL, target.generate)
     return original(
         input_ids,
         custom_generate=dmtp_custom_generate,
@@ -153,21 +143,3 @@ def generate(
         dmtp_profile=profile,
         **generate_kwargs,
     )
-
-
-def install_generate_router(target) -> None:
-    """Make ``target.generate(..., assistant_model=<DMTP draft or Drafter>)`` run DMTP decoding (idempotent)."""
-    if getattr(target, "_dmtp_original_generate", None) is not None:
-        return
-    original = target.generate
-
-    def routed_generate(self, *args, assistant_model=None, streamer=None, dmtp_fast_path=False, **kwargs):
-        drafter = as_drafter(assistant_model, fast_path=dmtp_fast_path)
-        if drafter is None:
-            return original(*args, assistant_model=assistant_model, streamer=streamer, **kwargs)
-        return original(
-            *args, custom_generate=dmtp_custom_generate, dmtp_drafter=drafter, dmtp_streamer=streamer, **kwargs
-        )
-
-    target._dmtp_original_generate = original
-    target.generate = types.MethodType(routed_generate, target)

@@ -1,4 +1,4 @@
-"""Speculative-decoding statistics with exactly the definitions of DESIGN.md §6 (and the DMTP blog).
+"""Speculative-decoding statistics with exactly the definitions of docs/design.md (metrics) and the DMTP blog.
 
 ``hist[k]`` = verify rounds that accepted exactly k drafted candidates (k = 0..K).
 
@@ -54,6 +54,7 @@ class SpecStats:
         self.strategy = strategy
         self.requests: list[RequestStats] = []
         self.stage_seconds: dict[str, float] = defaultdict(float)
+        self.sync_device: torch.device | None = None  # set by `profile=True`: every stage synchronises on CUDA
 
     # -- recording -------------------------------------------------------------------------------------------------
 
@@ -65,7 +66,8 @@ class SpecStats:
 
     @contextmanager
     def stage(self, name: str, sync_device: torch.device | None = None):
-        """Time a stage; pass ``sync_device`` (CUDA) to make the measurement exact."""
+        """Time a stage; with ``sync_device`` (or :attr:`sync_device`) on CUDA, synchronise so the time is exact."""
+        sync_device = sync_device if sync_device is not None else self.sync_device
         if sync_device is not None and sync_device.type == "cuda":
             torch.cuda.synchronize(sync_device)
         start = time.perf_counter()

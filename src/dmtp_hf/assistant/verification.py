@@ -1,4 +1,4 @@
-"""Token selection and the three lossless verification rules (DESIGN.md §3).
+"""Token selection and the three lossless verification rules (docs/design.md, verification).
 
 Every distribution here is *processed*: the generation's logits processors (repetition penalty, temperature,
 top-k, top-p, ...) are applied with the exact prefix each position sees, identically for draft and target, so

@@ -9,13 +9,10 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
-
-if TYPE_CHECKING:
-    from .modeling_dmtp import DMTPDraftModel
 
 
 @contextlib.contextmanager
@@ -41,23 +38,29 @@ def atomic_directory(final_dir: str | os.PathLike) -> Iterator[Path]:
         raise
 
 
-def backbone_state_dict(model: DMTPDraftModel) -> dict[str, torch.Tensor]:
-    """The DFlash tensors of ``model`` (no ``fusion.*``, no rotary buffers), contiguous and detached."""
+def backbone_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The DFlash tensors of a DMTP draft's state dict (no ``fusion.*``, no rotary buffers), contiguous, detached."""
     return {
         name: tensor.detach().contiguous()
-        for name, tensor in model.state_dict().items()
+        for name, tensor in state_dict.items()
         if not name.startswith("fusion.") and "rotary_emb" not in name
     }
 
 
 def save_dflash_checkpoint(
-    model: DMTPDraftModel, save_directory: str | os.PathLike, dtype: torch.dtype | None = None
+    state_dict: dict[str, torch.Tensor],
+    config: dict[str, Any],
+    save_directory: str | os.PathLike,
+    dtype: torch.dtype | None = None,
 ) -> None:
-    """Write ``config.json`` + ``model.safetensors`` exactly in the DFlash layout (unprefixed keys)."""
-    state = backbone_state_dict(model)
+    """Write ``config.json`` + ``model.safetensors`` exactly in the DFlash layout (unprefixed keys).
+
+    ``state_dict`` is a DMTP draft's (its fusion is dropped), ``config`` its ``config.to_dflash_dict()``.
+    """
+    state = backbone_state_dict(state_dict)
     if dtype is not None:
         state = {k: v.to(dtype) for k, v in state.items()}
-    config: dict[str, Any] = model.config.to_dflash_dict()
+    config = dict(config)
     if dtype is not None:
         config["dtype"] = str(dtype).removeprefix("torch.")
     with atomic_directory(save_directory) as tmp:

@@ -2,12 +2,12 @@
 
 Read top to bottom:
 
-1. ``dflash_visibility``: who may attend to whom (one rule for inference and training).
-2. ``DMTPAttention`` / ``DMTPDecoderLayer``: Qwen3 decoder layers whose K/V are ``[context ; block]``: the
+1. ``DMTPAttention`` / ``DMTPDecoderLayer``: Qwen3 decoder layers whose K/V are ``[context ; block]``: the
    projected target features are injected as extra keys/values in every layer, the block attends to itself
-   bidirectionally (causally in sliding layers unless ``is_causal`` says otherwise).
-3. ``FirstCandidateFusion``: how the MTP hidden that predicted T1 reaches T1's slot (DESIGN.md §1 table).
-4. ``DMTPDraftModel``: the checkpoint. ``forward`` runs the backbone on already-embedded slots;
+   bidirectionally (causally in sliding layers unless ``is_causal`` says otherwise). Who may attend to whom is
+   one rule, ``dflash_visibility`` in ``attention_masks.py``.
+2. ``FirstCandidateFusion``: how the MTP hidden that predicted T1 reaches T1's slot (docs/design.md, layouts).
+3. ``DMTPDraftModel``: the checkpoint. ``forward`` runs the backbone on already-embedded slots;
    ``block_embeddings`` builds the slots of a round for the configured layout; ``bind`` attaches the target
    (its frozen embedding and LM head are used, never copied).
 
@@ -38,73 +38,12 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 from transformers.utils import logging as hf_logging
 
+from .attention_masks import attention_mask_for_implementation, dflash_visibility
 from .configuration_dmtp import DMTPConfig, require_local_directory
+from .io import save_dflash_checkpoint
 
 # ----------------------------------------------------------------------------------------------------
-# 1. Visibility
-
-
-def dflash_visibility(
-    query_positions: torch.Tensor,
-    query_blocks: torch.Tensor,
-    query_context_end: torch.Tensor,
-    key_positions: torch.Tensor,
-    key_blocks: torch.Tensor,
-    *,
-    causal: bool = False,
-    window: int | None = None,
-) -> torch.Tensor:
-    """Whether each query may attend to each key (broadcasting; ``True`` = visible).
-
-    Keys are either *context* (``key_blocks < 0``: projected target features) or *block* slots (``key_blocks``
-    = the block index). A context key is visible iff its position is strictly before the query's block anchor
-    (``query_context_end``: the target has not processed the anchor A yet, the classic bug is ``<=``). A block
-    key is visible iff it belongs to the query's own block (bidirectional; ``causal`` restricts to
-    ``key_pos <= query_pos``). ``window`` (sliding layers) additionally requires ``query_pos - key_pos < window``
-    and, for bidirectional layers, ``key_pos - query_pos < window``.
-
-    The same function builds dense SDPA/eager masks and serves as a FlexAttention ``mask_mod`` body.
-    """
-    is_context = key_blocks < 0
-    visible = torch.where(is_context, key_positions < query_context_end, key_blocks == query_blocks)
-    if causal:
-        visible = visible & (is_context | (key_positions <= query_positions))
-    if window is not None:
-        visible = visible & (query_positions - key_positions < window)
-        if not causal:
-            visible = visible & (key_positions - query_positions < window)
-    return visible
-
-
-def attention_mask_for_implementation(
-    visible: torch.Tensor | None, attn_implementation: str, dtype: torch.dtype
-) -> torch.Tensor | None:
-    """Turn a boolean ``[B, 1, Q, K]`` visibility mask into what the selected attention kernel expects."""
-    if visible is None:
-        return None
-    if attn_implementation == "sdpa":
-        return visible
-    if "flash" in attn_implementation:
-        if bool(visible.all()):
-            return None
-        raise NotImplementedError(
-            "flash-attn cannot express DFlash's block/context visibility mask; use attn_implementation='sdpa' "
-            "or 'flex_attention' for masked (training or sliding-window) forwards."
-        )
-    if attn_implementation == "flex_attention":
-        from torch.nn.attention.flex_attention import create_block_mask
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            return visible[b, 0, q_idx, kv_idx]
-
-        bsz, _, q_len, kv_len = visible.shape
-        return create_block_mask(mask_mod, bsz, None, q_len, kv_len, device=visible.device)
-    # eager takes an additive mask
-    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, torch.finfo(dtype).min)
-
-
-# ----------------------------------------------------------------------------------------------------
-# 2. Backbone
+# 1. Backbone (visibility: attention_masks.py)
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -222,7 +161,7 @@ class DMTPDecoderLayer(GradientCheckpointingLayer):
 
 
 # ----------------------------------------------------------------------------------------------------
-# 3. First-candidate fusion
+# 2. First-candidate fusion
 
 
 class FirstCandidateFusion(nn.Module):
@@ -281,7 +220,7 @@ class FirstCandidateFusion(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------------
-# 4. The checkpoint
+# 3. The checkpoint
 
 
 class DMTPPreTrainedModel(PreTrainedModel):
@@ -343,6 +282,9 @@ class DMTPDraftModel(DMTPPreTrainedModel):
         self.norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config=config)
         self.fusion = FirstCandidateFusion(config) if config.anchor_layout != "dflash" else None
+        if self.fusion is not None and config.checkpoint_without_fusion:
+            # A DFlash checkpoint has no fusion: it is initialised as documented, not reported as missing.
+            self._keys_to_ignore_on_load_missing = [r"^fusion\."]
         self._target: nn.Module | None = None
         self.gradient_checkpointing = False
         self.post_init()
@@ -363,12 +305,11 @@ class DMTPDraftModel(DMTPPreTrainedModel):
         Checks compatibility first and raises ``ValueError`` naming the mismatch: hidden size, vocabulary,
         ``target_layer_ids`` out of range, ``num_target_layers`` different from the target's depth, or a mask token
         outside the target embedding. ``native_mtp`` defaults to the head loaded (on first use) from the target's
-        own checkpoint. Binding also makes ``target.generate(..., assistant_model=draft)`` run DMTP decoding.
-        A draft whose floating-point dtype differs from the target's (e.g. an fp32 checkpoint next to a bf16 target)
-        is cast to the target's dtype: it consumes the target's embeddings and features and feeds its LM head.
+        own checkpoint. The bind hooks then run (``import dmtp_hf`` registers the generation router, so that
+        ``target.generate(..., assistant_model=draft)`` runs DMTP decoding). A draft whose floating-point dtype
+        differs from the target's (e.g. an fp32 checkpoint next to a bf16 target) is cast to the target's dtype:
+        it consumes the target's embeddings and features and feeds its LM head.
         """
-        from ..assistant.generate import install_generate_router
-
         check_draft_target_compatibility(self.config, target)
         target_dtype = target.get_input_embeddings().weight.dtype
         own = next((p.dtype for p in self.parameters() if p.is_floating_point()), target_dtype)
@@ -376,7 +317,8 @@ class DMTPDraftModel(DMTPPreTrainedModel):
             self.to(dtype=target_dtype)
         self.__dict__["_target"] = target  # bypass nn.Module registration on purpose: never saved or moved
         self.__dict__["_native_mtp"] = native_mtp
-        install_generate_router(target)
+        for hook in _BIND_HOOKS:
+            hook(target)
         return self
 
     @property
@@ -625,15 +567,9 @@ class DMTPDraftModel(DMTPPreTrainedModel):
         kwargs.setdefault("key_mapping", {r"^model\.": ""})
         # Let HF report mismatched shapes instead of raising, so the error below can name the tensors.
         kwargs["ignore_mismatched_sizes"] = True
-        # HF's own load report is replaced by the strict checks below (which raise, naming the tensors).
-        verbosity = hf_logging.get_verbosity()
-        hf_logging.set_verbosity_error()
-        try:
-            model, info = super().from_pretrained(
-                pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
-            )
-        finally:
-            hf_logging.set_verbosity(verbosity)
+        model, info = super().from_pretrained(
+            pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
+        )
         _check_loading_info(model, info)
         if target is not None:
             model.bind(target)
@@ -649,13 +585,19 @@ class DMTPDraftModel(DMTPPreTrainedModel):
                 "This draft has trained fusion weights; the DFlash layout cannot store them. "
                 "Use save_pretrained() for the DMTP layout."
             )
-        from .io import save_dflash_checkpoint
-
-        save_dflash_checkpoint(self, save_directory, **kwargs)
+        save_dflash_checkpoint(self.state_dict(), self.config.to_dflash_dict(), save_directory, **kwargs)
 
 
 logger = hf_logging.get_logger(__name__)
 _FUSION_KEY = re.compile(r"^fusion\.")
+_BIND_HOOKS: list[Callable[[nn.Module], None]] = []
+
+
+def register_bind_hook(hook: Callable[[nn.Module], None]) -> None:
+    """Run ``hook(target)`` whenever a draft is bound to a target (idempotent per hook). The generation layer uses
+    it to route ``target.generate(assistant_model=...)``; the modeling layer itself knows nothing of decoding."""
+    if hook not in _BIND_HOOKS:
+        _BIND_HOOKS.append(hook)
 
 
 def _check_loading_info(model: DMTPDraftModel, info: dict[str, Any]) -> None:
@@ -722,7 +664,6 @@ __all__ = [
     "DMTPDraftModel",
     "DMTPPreTrainedModel",
     "FirstCandidateFusion",
-    "dflash_visibility",
-    "attention_mask_for_implementation",
     "check_draft_target_compatibility",
+    "register_bind_hook",
 ]

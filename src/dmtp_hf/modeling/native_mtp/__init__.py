@@ -1,14 +1,14 @@
 """Native MTP heads of real target families, loaded from the target's own checkpoint.
 
 - `layouts`: the family registry (`MTPLayout`, `register_mtp_layout`): where each family keeps its MTP tensors.
-- `head`: `NativeMTPHead`, the MTP layer with its private KV cache and the decoding-round operations.
+- `head`: `NativeMTPHead`, the MTP layer (stateless: pairs -> ``g`` -> logits through the target LM head).
 - `loading`: `load_native_mtp`, reading only the MTP tensors (and shards) of the target checkpoint.
 - `fp8`: dequantization of block-scaled FP8 MTP weights.
 - `hidden`: `TargetHiddenExtractor`, the post-norm / pre-norm target hidden fed to the head.
 """
 
 from .fp8 import dequantize_block_fp8
-from .head import HIDDEN_INPUTS, NativeMTPHead, greedy_select
+from .head import HIDDEN_INPUTS, NativeMTPHead
 from .hidden import TargetHiddenExtractor
 from .layouts import (
     MTPLayout,
@@ -38,7 +38,6 @@ __all__ = [
     "build_mtp_layer_config",
     "dequantize_block_fp8",
     "get_mtp_layout",
-    "greedy_select",
     "load_native_mtp",
     "load_target_checkpoint",
     "read_mtp_tensors",

@@ -1,0 +1,102 @@
+"""Training prompts for the SmolLM2 drafts: code requests, two-turn chats and math word problems.
+
+Sources (all offline and license-clean; see ``scripts/reproduce/DATA_SOURCES.md``):
+
+- code: the CPython stdlib function requests of ``build_corpus.py`` (PSF), training split only;
+- chat: the two-turn chitchat conversations of ``build_corpus.py`` (MIT), training split only;
+- math: grade-school word problems generated here from templates (this project's own text, Apache-2.0).
+
+The assistant turns are placeholders: ``dmtp regenerate`` rewrites them with SmolLM2 itself. Output:
+``OUT/train_{code,chat,math}.jsonl`` (OpenAI ``messages``), deterministic for a given corpus and seed.
+
+Usage::
+
+    .venv/bin/python scripts/reproduce/smollm2/build_prompts.py --corpus outputs/corpus --out outputs/smollm2/prompts
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+NAMES = ["Ava", "Ben", "Chloe", "Diego", "Emma", "Farid", "Grace", "Hiro", "Ines", "Jonas", "Kira", "Liam", "Maya",
+         "Noah", "Olga", "Priya", "Quinn", "Rosa", "Sam", "Tara"]  # fmt: skip
+ITEMS = ["apples", "pencils", "stickers", "marbles", "cookies", "books", "stamps", "shells", "cards", "eggs"]
+
+
+def _problem(rng: random.Random) -> str:
+    """One word problem from a random template with random names and numbers."""
+    a, b = rng.sample(NAMES, 2)
+    item = rng.choice(ITEMS)
+    x, y, z = rng.randint(2, 40), rng.randint(2, 12), rng.randint(2, 9)
+    price = rng.choice([0.25, 0.5, 1.5, 2, 3, 4.5, 5])
+    templates = [
+        f"{a} has {x} {item}. {b} gives {a} {y} bags with {z} {item} in each bag. How many {item} does {a} have now?",
+        f"{a} buys {y} packs of {item}. Each pack costs ${price}. {a} pays with a $100 bill. How much change does "
+        f"{a} get?",
+        f"{a} had {x * z} {item} and shared them equally among {z} friends. Then each friend gave {y % 5 + 1} back. "
+        f"How many {item} does {a} have now?",
+        f"A shop sold {x} {item} on Monday, twice as many on Tuesday, and {y} fewer on Wednesday than on Tuesday. "
+        f"How many {item} did the shop sell in the three days?",
+        f"{a} reads {y} pages a day. The book has {x * 10} pages. After {z} days, how many pages are left?",
+        f"{a} is {x} years old. {b} is {y} years older than {a}. In {z} years, what will be the sum of their ages?",
+        f"A train travels {x * 5} km per hour for {z} hours, then {y * 5} km per hour for 2 hours. How far does it "
+        f"travel in total?",
+        f"{a} saves ${y} every week. {b} saves ${z} every week and already has ${x}. After how many weeks will "
+        f"{a} have at least as much as {b}, if {a} starts from zero? Explain step by step.",
+        f"A rectangle is {x} cm long and {y} cm wide. What are its area and its perimeter?",
+        f"{a} scored {x}, {x + y}, and {x + z} points in three games. What was {a}'s average score?",
+    ]
+    return rng.choice(templates)
+
+
+def math_records(count: int, seed: int) -> list[dict]:
+    """``count`` distinct word problems as one-turn chats (ids ``math/<seed>/<i>``)."""
+    rng, seen, rows = random.Random(seed), set(), []
+    while len(rows) < count:
+        question = _problem(rng)
+        if question in seen:
+            continue
+        seen.add(question)
+        rows.append({"id": f"math/{seed}/{len(rows)}", "messages": [{"role": "user", "content": question}]})
+    return rows
+
+
+def _read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def _write(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as handle:
+        for row in rows:
+            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+def main() -> None:
+    """Write the three prompt files."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--corpus", default="outputs/corpus", help="output folder of build_corpus.py")
+    parser.add_argument("--out", default="outputs/smollm2/prompts")
+    parser.add_argument("--code", type=int, default=1200, help="code requests")
+    parser.add_argument("--chat", type=int, default=600, help="two-turn chats")
+    parser.add_argument("--math", type=int, default=800, help="math word problems")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    corpus, out = Path(args.corpus), Path(args.out)
+    rng = random.Random(args.seed)
+    code = _read(corpus / "train_code_chat.jsonl")
+    code = [{"id": r["id"], "messages": r["messages"][:1]} for r in rng.sample(code, min(args.code, len(code)))]
+    chat = _read(corpus / "train_chat_2turn.jsonl")
+    chat = [r for r in chat if len(r["messages"]) == 3]
+    chat = rng.sample(chat, min(args.chat, len(chat)))
+    _write(out / "train_code.jsonl", code)
+    _write(out / "train_chat.jsonl", chat)
+    _write(out / "train_math.jsonl", math_records(args.math, args.seed))
+    print(f"{len(code)} code, {len(chat)} chat, {args.math} math prompts -> {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+"""The target's cache across rounds for a batch whose rows commit different numbers of tokens (ragged acceptance).
+
+Attention KV: every verify appends its K + 1 entries for every row; a per-row validity mask ``valid [B, T]``
+marks which cache slots are committed history, and the 4D attention mask of the next forward hides the others
+(RoPE positions are per row, so slot order does not matter). Trailing slots rejected by *every* row are cropped,
+so at batch size 1 the cache is exactly the committed history (as a plain crop would leave it).
+
+Linear-attention (GatedDeltaNet) layers of hybrid targets cannot be masked after the fact: their recurrent state
+after the verify has absorbed the rejected tokens. ``rollback="rebuild"`` (default) rebuilds each row's state after
+its last kept token from the verify's own layer inputs (``linear_attention.py``); ``rollback="replay"`` (batch size
+1) snapshots the states, and after a partial acceptance restores them and re-runs the target on the kept tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from transformers.cache_utils import (
+    Cache,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionCacheLayerMixin,
+    StaticLayer,
+)
+
+from ..modeling.attention_masks import attention_mask_for_implementation
+from .linear_attention import GatedDeltaRollback
+
+ROLLBACKS = ("rebuild", "replay")
+
+
+def crop_attention(layer, tokens_to_remove: int) -> None:
+    """Crop the attention part of a cache layer (hybrid layers hold both attention KV and linear states).
+
+    Static layers only move their write index back (in place, no reallocation). Sliding-window layers are always
+    cropped, even by 0: that trims their recorded past back to the window.
+    """
+    for attention_class in (DynamicSlidingWindowLayer, DynamicLayer, StaticLayer):
+        if isinstance(layer, attention_class):
+            if tokens_to_remove or attention_class is DynamicSlidingWindowLayer:
+                attention_class.crop(layer, -tokens_to_remove)
+            return
+
+
+def static_capacity(cache: Cache) -> int | None:
+    """Slots of the smallest fixed-size attention layer (``None`` for caches that grow)."""
+    sizes = [layer.max_cache_len for layer in cache.layers if getattr(layer, "max_cache_len", None)]
+    return min(sizes) if sizes else None
+
+
+class TargetCacheState:
+    """Bookkeeping of the target cache for ragged speculative decoding (see the module docstring).
+
+    ``valid [B, T]`` marks committed cache slots; :meth:`attention_mask` builds the 4D mask of a forward over ``q``
+    new tokens; :meth:`commit` keeps each row's first ``kept[b]`` verified entries and the matching linear states.
+    Call :meth:`close` when done (it removes the hooks of the linear-attention rollback).
+    """
+
+    def __init__(
+        self, target, cache: Cache, valid: torch.Tensor, rollback: str = "rebuild", replay_forward=None
+    ) -> None:
+        if rollback not in ROLLBACKS:
+            raise ValueError(f"Unknown rollback {rollback!r}; expected one of {ROLLBACKS}.")
+        if rollback == "replay" and valid.shape[0] != 1:
+            raise ValueError("rollback='replay' supports batch size 1 only; use 'rebuild'.")
+        self.target = target
+        self.cache = cache
+        self.rollback = rollback
+        self.replay_forward = replay_forward  # (input_ids, positions) -> None: a target forward (replay only)
+        self._verified: tuple[torch.Tensor, torch.Tensor] | None = None  # the verify's (ids, positions)
+        self.valid = valid.bool()  # [B, T]
+        self.all_valid = bool(self.valid.all())  # host flag: no row has a hidden slot (no mask needed)
+        self.linear_layers = [layer for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
+        self.attention_layers = [
+            layer
+            for layer in cache.layers
+            if not isinstance(layer, LinearAttentionCacheLayerMixin) or hasattr(layer, "keys")
+        ]
+        sliding = [layer for layer in cache.layers if isinstance(layer, DynamicSlidingWindowLayer)]
+        if sliding and valid.shape[0] > 1:
+            raise NotImplementedError("Sliding-window targets support batch size 1 (windows count cache slots).")
+        for layer in sliding:  # keep verified-but-rejected tokens until the crop in `commit`
+            DynamicSlidingWindowLayer.activate_past_recording(layer)
+        self.rebuild: GatedDeltaRollback | None = None
+        self._snapshot: list | None = None
+        if self.linear_layers and rollback == "rebuild":
+            self.rebuild = GatedDeltaRollback(target, self.linear_layers)
+            for layer in self.linear_layers:
+                layer.activate_past_recording()  # conv inputs are kept until `commit` picks each row's window
+            self.after_prefill()
+
+    def close(self) -> None:
+        """Remove the rollback's hooks from the target."""
+        if self.rebuild is not None:
+            self.rebuild.close()
+
+    def attention_mask(self, q_len: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """4D mask ``[B, 1, q, T + q]`` for ``q`` new tokens after the cache, or ``None`` when plain causal is right."""
+        if self.all_valid:
+            return None
+        batch, cached = self.valid.shape
+        device = self.valid.device
+        history = self.valid[:, None, :].expand(batch, q_len, cached)
+        new = torch.ones(q_len, q_len, dtype=torch.bool, device=device).tril().expand(batch, q_len, q_len)
+        visible = torch.cat([history, new], dim=-1)[:, None]
+        return attention_mask_for_implementation(visible, self.target.config._attn_implementation, dtype)
+
+    def after_prefill(self) -> None:
+        """Shrink recorded conv histories to the kernel window (left zero-padded for short prompts)."""
+        if self.rebuild is None:
+            return
+        for layer in self.linear_layers:
+            for i, conv in layer.conv_states.items():
+                if conv is None:
+                    continue
+                kernel = layer.conv_kernel_size[i]
+                if conv.shape[-1] < kernel:
+                    conv = torch.nn.functional.pad(conv, (kernel - conv.shape[-1], 0))
+                layer.conv_states[i] = conv[..., -kernel:].contiguous()
+
+    @contextlib.contextmanager
+    def verifying(self, input_ids: torch.Tensor, positions: torch.Tensor):
+        """Context for the verify forward over ``input_ids`` at ``positions``: the rollback captures what it needs
+        (or snapshots the states, for replay)."""
+        self._verified = (input_ids, positions)
+        if self.rebuild is not None:
+            self.rebuild.before_verify()
+            try:
+                yield
+            finally:
+                self.rebuild.after_verify()
+            return
+        if self.linear_layers:  # replay: clone the states the verify is about to overwrite
+            self._snapshot = [
+                (
+                    {i: s.clone() for i, s in layer.conv_states.items() if s is not None},
+                    {i: s.clone() for i, s in layer.recurrent_states.items() if s is not None},
+                )
+                for layer in self.linear_layers
+            ]
+        yield
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only batch ``rows`` of the cache (finished sequences leave the batch)."""
+        self.cache.reorder_cache(rows)
+        self.valid = self.valid[rows]
+
+    def commit(self, kept: torch.Tensor, kept_host: list[int]) -> None:
+        """Keep the first ``kept[b]`` (>= 1) of the tokens the last verify appended for row b.
+
+        ``kept_host`` is the same counts on the host (the loop already has them). With ``rollback="replay"`` a
+        partial acceptance restores the states and re-runs the target on the kept tokens (``replay_forward``).
+        """
+        num_processed = self._verified[0].shape[1]
+        if self.rollback == "replay" and self.linear_layers:
+            self._commit_replay(kept_host[0], num_processed)
+            return
+        steps = torch.arange(num_processed, device=self.valid.device)
+        self.valid = torch.cat([self.valid, steps[None] < kept[:, None]], dim=1)
+        self.all_valid = self.all_valid and min(kept_host) == max(kept_host)
+        if self.rebuild is not None:
+            self.rebuild.commit(kept, all_kept=min(kept_host) == num_processed)
+        # Slots rejected by every row are cropped: the cache then holds exactly the committed history at B = 1.
+        trailing = num_processed - max(kept_host)
+        for layer in self.attention_layers:
+            crop_attention(layer, trailing)  # a no-op at 0 except for sliding windows, which it trims
+        if trailing > 0:
+            self.valid = self.valid[:, :-trailing]
+
+    def _commit_replay(self, num_kept: int, num_processed: int) -> None:
+        if num_kept < num_processed:
+            for layer, (conv, recurrent) in zip(self.linear_layers, self._snapshot):
+                for i, state in conv.items():
+                    layer.conv_states[i].copy_(state)
+                for i, state in recurrent.items():
+                    layer.recurrent_states[i].copy_(state)
+            for layer in self.attention_layers:
+                crop_attention(layer, num_processed)
+            input_ids, positions = self._verified
+            self.replay_forward(input_ids[:, :num_kept], positions[:, :num_kept])
+        self._snapshot = None
+        kept_slots = torch.ones(1, num_kept, dtype=torch.bool, device=self.valid.device)
+        self.valid = torch.cat([self.valid, kept_slots], dim=1)
