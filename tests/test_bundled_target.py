@@ -1,6 +1,8 @@
 """The bundled target's code path at tiny size: tokenizer, joint LM+MTP pretraining, real-layout save, reload."""
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,8 +11,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dmtp_hf.assistant.drafter_state import MTPCache
 from dmtp_hf.bundled import NotBuiltError, default_paths
-from dmtp_hf.bundled.fast_kernels import fast_gated_delta_kernels
-from dmtp_hf.bundled.target_pretraining import (
+from dmtp_hf.modeling.native_mtp import load_native_mtp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "reproduce"))  # reproduction code
+from bundled_tokenizer import make_fast_tokenizer, save_tokenizer, train_bpe_tokenizer  # noqa: E402
+from fast_kernels import fast_gated_delta_kernels  # noqa: E402
+from target_pretraining import (  # noqa: E402
     PretrainConfig,
     build_target,
     joint_forward,
@@ -20,8 +26,6 @@ from dmtp_hf.bundled.target_pretraining import (
     tokenize_documents,
     verify_target_checkpoint,
 )
-from dmtp_hf.bundled.tokenizer import make_fast_tokenizer, save_tokenizer, train_bpe_tokenizer
-from dmtp_hf.modeling.native_mtp import load_native_mtp
 
 SENTENCES = [
     "hello there, how are you doing today?",

@@ -507,13 +507,13 @@ def test_gradient_accumulation_and_checkpointing_match_one_big_batch(tmp_path, t
         torch.testing.assert_close(weights["chunked_logits"][key], value, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["tiny-dmtp", "tiny-dflash"])
+@pytest.mark.parametrize("name", ["example-dmtp", "example-dflash"])
 def test_example_configs_list_every_field(name):
     import dataclasses
 
     path = REPO / "configs" / f"{name}.yaml"
     config = TrainConfig.from_yaml(path)
     assert set(yaml.safe_load(path.read_text())) == {f.name for f in dataclasses.fields(TrainConfig)}
-    assert config.anchor_layout == ("dual" if name == "tiny-dmtp" else "dflash")
+    assert config.anchor_layout == ("dual" if name == "example-dmtp" else "dflash")
     with pytest.raises(ValueError, match="Unknown config key"):
         TrainConfig.from_yaml(path, ["learning_rat=0.1"])

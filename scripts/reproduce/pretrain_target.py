@@ -1,9 +1,9 @@
 """Pretrain the bundled Qwen3.5-architecture target with its native MTP head (joint LM + MTP loss), resumable.
 
 Reads the corpus (``build_corpus.py``) and the tokenizer (``train_tokenizer.py``), tokenizes once into a cache under
-the output directory, then runs `dmtp_hf.bundled.target_pretraining.pretrain`. Relaunching the same command resumes
-from ``<out>/checkpoint`` (``--max-steps`` may be raised to train longer). The latest model, in the real Qwen3.5
-layout (``mtp.*`` tensors inside ``model.safetensors``) with its tokenizer, is always at ``<out>/model``.
+the output directory, then runs `target_pretraining.pretrain` (next to this script). Relaunching the same command
+resumes from ``<out>/checkpoint`` (``--max-steps`` may be raised to train longer). The latest model, in the real
+Qwen3.5 layout (``mtp.*`` tensors inside ``model.safetensors``) with its tokenizer, is always at ``<out>/model``.
 
 Usage::
 
@@ -27,9 +27,8 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
+from target_pretraining import PretrainConfig, pretrain, render_corpus, tokenize_documents  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
-
-from dmtp_hf.bundled.target_pretraining import PretrainConfig, pretrain, render_corpus, tokenize_documents  # noqa: E402
 
 
 def load_tokens(corpus: Path, tokenizer, cache: Path, split: str, seed: int) -> torch.Tensor:

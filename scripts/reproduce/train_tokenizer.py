@@ -16,10 +16,9 @@ import json
 import time
 from pathlib import Path
 
+from bundled_tokenizer import CHAT_TEMPLATE, make_fast_tokenizer, save_tokenizer, train_bpe_tokenizer
+from target_pretraining import render_corpus
 from transformers import AutoTokenizer
-
-from dmtp_hf.bundled.target_pretraining import render_corpus
-from dmtp_hf.bundled.tokenizer import CHAT_TEMPLATE, make_fast_tokenizer, save_tokenizer, train_bpe_tokenizer
 
 
 class _TemplateOnly:

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from transformers import StoppingCriteriaList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
-if TYPE_CHECKING:
-    from .decoding import ActiveBatch
+from .batch import ActiveBatch
 
 
 class RowStopping:

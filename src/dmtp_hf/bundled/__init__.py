@@ -2,14 +2,15 @@
 
 The checkpoints live in ``src/dmtp_hf/bundled/models/<name>`` once built and committed (they are reproduced by
 ``scripts/reproduce/``, see its README). `default_paths` returns where each one is and raises a clear error while
-they are not there yet. `target_pretraining` and `tokenizer` hold the code that builds the target.
+they are not there yet. The code that builds them lives in ``scripts/reproduce/`` (not installed).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-__all__ = ["BUNDLED_MODELS", "MODELS_DIR", "NotBuiltError", "default_paths"]
+__all__ = ["BUNDLED_MODELS", "MODELS_DIR", "NotBuiltError", "default_paths", "resolve_target_path"]
 
 MODELS_DIR = Path(__file__).resolve().parent / "models"
 # Name -> folder under MODELS_DIR: the target (with its `mtp.*` tensors and tokenizer), the DMTP draft, the DFlash
@@ -40,3 +41,8 @@ def default_paths(names: tuple[str, ...] | None = None) -> dict[str, Path]:
             "see scripts/reproduce/README.md"
         )
     return paths
+
+
+def resolve_target_path(path: str | os.PathLike) -> str:
+    """``path`` itself, or the bundled target's folder for ``"bundled"`` (configs and CLIs accept that name)."""
+    return str(default_paths(("target",))["target"]) if str(path) == "bundled" else str(path)

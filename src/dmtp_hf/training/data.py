@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 __all__ = [
     "ChatRenderer",
@@ -237,8 +238,6 @@ def load_dataset_records(
     """
     path = Path(path)
     if path.is_dir():
-        from .features import OfflineFeatureDataset
-
         return OfflineFeatureDataset(path)
     renderer = None
     samples = []
@@ -285,3 +284,43 @@ def collate(samples: Sequence[dict[str, torch.Tensor]], pad_token_id: int = 0) -
         batch[key] = torch.nn.utils.rnn.pad_sequence([s[key] for s in samples], batch_first=True, padding_value=padding)
     batch["attention_mask"] = (torch.arange(int(lengths.max()))[None] < lengths[:, None]).long()
     return batch
+
+
+class OfflineFeatureDataset(torch.utils.data.Dataset):
+    """Random access to features written by `extract_features` (tensors are read lazily, per sample)."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = Path(directory)
+        index_file = self.directory / "index.json"
+        if not index_file.exists():
+            raise FileNotFoundError(f"{index_file} not found: not a feature directory written by `dmtp extract`.")
+        self.index = json.loads(index_file.read_text())
+        self._shards: list[tuple[str, torch.Tensor]] = []  # (file, offsets)
+        self._locate: list[tuple[int, int]] = []  # sample -> (shard, row)
+        for shard_id, shard in enumerate(self.index["shards"]):
+            path = str(self.directory / shard["file"])
+            with safe_open(path, framework="pt") as f:
+                offsets = f.get_tensor("offsets")
+            self._shards.append((path, offsets))
+            self._locate.extend((shard_id, row) for row in range(len(offsets) - 1))
+        self._handles: dict[int, Any] = {}
+
+    def __len__(self) -> int:
+        return len(self._locate)
+
+    def _handle(self, shard_id: int):
+        if shard_id not in self._handles:
+            self._handles[shard_id] = safe_open(self._shards[shard_id][0], framework="pt")
+        return self._handles[shard_id]
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        shard_id, row = self._locate[i]
+        offsets = self._shards[shard_id][1]
+        start, end = int(offsets[row]), int(offsets[row + 1])
+        handle = self._handle(shard_id)
+        return {key: handle.get_slice(key)[start:end] for key in handle.keys() if key != "offsets"}
+
+    def __getstate__(self) -> dict[str, Any]:  # safetensors handles are not picklable (DataLoader workers)
+        state = self.__dict__.copy()
+        state["_handles"] = {}
+        return state

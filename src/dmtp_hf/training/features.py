@@ -28,14 +28,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from ..bundled import resolve_target_path
 from ..modeling.io import atomic_directory
-from ..modeling.native_mtp import NativeMTPHead, TargetHiddenExtractor, load_native_mtp
+from ..modeling.native_mtp import NativeMTPHead, TargetHiddenExtractor, load_native_mtp, load_target_checkpoint
+from .data import OfflineFeatureDataset, TokenizedDataset, collate, load_dataset_records
 
 __all__ = [
     "FEATURE_KEYS",
@@ -62,24 +63,13 @@ def load_target(
 ) -> PreTrainedModel:
     """Load a target causal LM for feature extraction (frozen, eval mode).
 
-    ``path`` may be ``tiny:<family>[@dir]`` to build one of the tiny random test targets
-    (`dmtp_hf.testing.tiny_targets`) for smoke tests. MTP tensors are skipped silently, including at the tiny depths
-    where Transformers' hard-coded ignore patterns do not match.
+    ``path`` may be ``bundled`` for the project's bundled target. MTP tensors are skipped silently, including at
+    depths where Transformers' hard-coded ignore patterns do not match.
     """
-    from ..modeling.native_mtp import load_target_checkpoint
-    from ..testing.tiny_targets import make_tiny_target
-
-    path = str(path)
-    if path.startswith("tiny:"):
-        family, _, directory = path.removeprefix("tiny:").partition("@")
-        directory = directory or os.path.join(os.environ.get("TMPDIR", "/tmp"), f"dmtp-tiny-{family}")
-        if not (Path(directory) / "config.json").exists():
-            make_tiny_target(family, directory)
-        path = directory
     kwargs: dict[str, Any] = {"dtype": dtype}
     if device is not None:
         kwargs["device_map"] = device
-    target = load_target_checkpoint(path, **kwargs)  # AutoModelForCausalLM.from_pretrained + fitted MTP ignore
+    target = load_target_checkpoint(resolve_target_path(path), **kwargs)  # + the fitted MTP ignore patterns
     return freeze(target)
 
 
@@ -143,8 +133,6 @@ def _batched_features(
     extractor: FeatureExtractor, dataset: Sequence[dict[str, torch.Tensor]], batch_size: int, progress: bool
 ):
     """Yield ``{input_ids, loss_mask, <features>}`` per sample (unpadded, on CPU), computing features in batches."""
-    from .data import collate
-
     device = next(extractor.target.parameters()).device
     bar = tqdm(total=len(dataset), desc="features", disable=not progress)
     for start in range(0, len(dataset), batch_size):
@@ -167,8 +155,6 @@ def precompute_features(
     progress: bool = False,
 ) -> torch.utils.data.Dataset:
     """An in-memory dataset of samples with their features (offline training without touching the disk)."""
-    from .data import TokenizedDataset
-
     return TokenizedDataset(list(_batched_features(extractor, dataset, batch_size, progress)))
 
 
@@ -226,46 +212,6 @@ def extract_features(
     return Path(output_dir)
 
 
-class OfflineFeatureDataset(torch.utils.data.Dataset):
-    """Random access to features written by `extract_features` (tensors are read lazily, per sample)."""
-
-    def __init__(self, directory: str | os.PathLike):
-        self.directory = Path(directory)
-        index_file = self.directory / "index.json"
-        if not index_file.exists():
-            raise FileNotFoundError(f"{index_file} not found: not a feature directory written by `dmtp extract`.")
-        self.index = json.loads(index_file.read_text())
-        self._shards: list[tuple[str, torch.Tensor]] = []  # (file, offsets)
-        self._locate: list[tuple[int, int]] = []  # sample -> (shard, row)
-        for shard_id, shard in enumerate(self.index["shards"]):
-            path = str(self.directory / shard["file"])
-            with safe_open(path, framework="pt") as f:
-                offsets = f.get_tensor("offsets")
-            self._shards.append((path, offsets))
-            self._locate.extend((shard_id, row) for row in range(len(offsets) - 1))
-        self._handles: dict[int, Any] = {}
-
-    def __len__(self) -> int:
-        return len(self._locate)
-
-    def _handle(self, shard_id: int):
-        if shard_id not in self._handles:
-            self._handles[shard_id] = safe_open(self._shards[shard_id][0], framework="pt")
-        return self._handles[shard_id]
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        shard_id, row = self._locate[i]
-        offsets = self._shards[shard_id][1]
-        start, end = int(offsets[row]), int(offsets[row + 1])
-        handle = self._handle(shard_id)
-        return {key: handle.get_slice(key)[start:end] for key in handle.keys() if key != "offsets"}
-
-    def __getstate__(self) -> dict[str, Any]:  # safetensors handles are not picklable (DataLoader workers)
-        state = self.__dict__.copy()
-        state["_handles"] = {}
-        return state
-
-
 # ----------------------------------------------------------------------------------------------------
 # CLI: dmtp extract
 
@@ -292,7 +238,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``dmtp extract``: tokenize a dataset, run the frozen target and MTP head, write feature shards."""
-    from .data import load_dataset_records
 
     args = _parser().parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -314,6 +259,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _target_dir(target: str) -> str | None:
-    """The tokenizer location implied by ``--target`` (None for tiny targets, which have no tokenizer)."""
-    return None if str(target).startswith("tiny:") else target
+def _target_dir(target: str) -> str:
+    """The tokenizer location implied by ``--target``."""
+    return resolve_target_path(target)

@@ -47,6 +47,15 @@ def _turns_to_generate(messages: list[dict[str, str]]) -> list[int]:
     return indices
 
 
+def left_pad(rows: list[list[int]], pad_id: int, device) -> dict[str, torch.Tensor]:
+    """``input_ids`` / ``attention_mask`` ``[B, max_len]`` padded on the left (generation continues every row from its
+    own last token), without touching the caller's tokenizer settings."""
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows], device=device)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
+    return {"input_ids": ids, "attention_mask": mask}
+
+
 @torch.no_grad()
 def regenerate(
     target: Any,
@@ -69,9 +78,7 @@ def regenerate(
     template_kwargs = dict(chat_template_kwargs or {})
     if enable_thinking is not None:
         template_kwargs["enable_thinking"] = enable_thinking
-    tokenizer.padding_side = "left"  # generation continues every row from its own last token
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     done = completed_ids(output_path)
     todo = []
     for line_no, record in read_jsonl(input_path):
@@ -103,10 +110,8 @@ def regenerate(
                             histories[r], tokenize=False, add_generation_prompt=True, **template_kwargs
                         )
                     )
-                encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-                generated = target.generate(
-                    **encoded, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **sampling
-                )
+                encoded = left_pad(tokenizer(prompts, add_special_tokens=False)["input_ids"], pad_id, device)
+                generated = target.generate(**encoded, max_new_tokens=max_new_tokens, pad_token_id=pad_id, **sampling)
                 replies = tokenizer.batch_decode(
                     generated[:, encoded["input_ids"].shape[1] :], skip_special_tokens=True
                 )

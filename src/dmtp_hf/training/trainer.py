@@ -1,6 +1,6 @@
 """The draft trainer: one loop for DMTP (single/dual layouts) and the DFlash baseline.
 
-``accelerate launch scripts/finetune.py --config configs/tiny-dmtp.yaml`` (or plain ``python``) runs `main`.
+``accelerate launch scripts/finetune.py --config configs/example-dmtp.yaml`` (or plain ``python``) runs `main`.
 
 Read top to bottom:
 
@@ -45,6 +45,7 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
+from ..bundled import resolve_target_path
 from ..modeling import DMTPConfig, DMTPDraftModel, load_native_mtp
 from ..modeling.io import atomic_directory
 from .data import TokenizedDataset, collate, load_dataset_records
@@ -80,7 +81,7 @@ class TrainConfig:
     """Every training setting. Load with `TrainConfig.from_yaml`; see ``configs/*.yaml`` for documented examples."""
 
     # --- models
-    target_model: str  # target checkpoint (``tiny:<family>[@dir]`` builds a tiny random test target)
+    target_model: str  # target checkpoint (``bundled``: the bundled target)
     init_from: str | None = None  # DFlash or DMTP draft checkpoint to continue from; None = from scratch
     anchor_layout: str = "dual"  # dflash | single | dual
     fusion: str = "residual"  # none | hidden_residual | residual | replace (dflash forces none)
@@ -366,8 +367,7 @@ class Trainer:
         # Frozen parts: the target (its embedding and LM head included) and the native MTP head.
         if target is None:
             dtype = config.target_dtype if config.target_dtype != "auto" else ("bfloat16" if cuda else "float32")
-            with acc.main_process_first():  # tiny:<family> targets are written once
-                target = load_target(config.target_model, dtype=getattr(torch, dtype))
+            target = load_target(config.target_model, dtype=getattr(torch, dtype))
         self.target = freeze(target).to(acc.device)
         self.mtp_head = None
         if config.anchor_layout != "dflash":
@@ -449,9 +449,7 @@ class Trainer:
         if source.startswith("synthetic:"):
             num, _, length = source.removeprefix("synthetic:").partition("x")
             return synthetic_greedy_dataset(self.target, int(num), int(length), seed=config.seed)
-        tokenizer = config.tokenizer
-        if tokenizer is None and not config.target_model.startswith("tiny:"):
-            tokenizer = config.target_model
+        tokenizer = config.tokenizer or resolve_target_path(config.target_model)
         return load_dataset_records(
             source,
             tokenizer=tokenizer,

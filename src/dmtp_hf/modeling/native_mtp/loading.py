@@ -12,8 +12,7 @@ import logging
 import os
 import re
 from collections import defaultdict
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -340,37 +339,24 @@ def mtp_ignore_patterns(config: PreTrainedConfig) -> list[str] | None:
     return None
 
 
-@contextmanager
-def _ignore_on_load(model_class: type, patterns: list[str] | None) -> Iterator[None]:
-    """Temporarily set ``model_class._keys_to_ignore_on_load_unexpected`` (restored afterwards)."""
-    if patterns is None:
-        yield
-        return
-    had_own = "_keys_to_ignore_on_load_unexpected" in model_class.__dict__
-    previous = model_class.__dict__.get("_keys_to_ignore_on_load_unexpected")
-    model_class._keys_to_ignore_on_load_unexpected = patterns
-    try:
-        yield
-    finally:
-        if had_own:
-            model_class._keys_to_ignore_on_load_unexpected = previous
-        else:
-            del model_class._keys_to_ignore_on_load_unexpected
-
-
 def load_target_checkpoint(path: str | os.PathLike, **kwargs: Any) -> PreTrainedModel:
     """``AutoModelForCausalLM.from_pretrained(path, **kwargs)`` (eval mode) that skips MTP tensors at any depth.
 
     Transformers hard-codes the MTP ignore regex of DeepSeek-V3/GLM at the release depth; checkpoints of other depths
     (distilled, pruned, the tests' tiny ones) would warn about or mis-report those keys. The returned instance keeps
     the fitted ``_keys_to_ignore_on_load_unexpected`` (see `mtp_ignore_patterns`), which is where Transformers'
-    ``MtpModel.from_pretrained`` (``use_mtp=True``) looks for the MTP keys.
+    ``MtpModel.from_pretrained`` (``use_mtp=True``) looks for the MTP keys. The instance's class is a subclass of the
+    Transformers class that only carries those patterns.
     """
     config = AutoConfig.from_pretrained(path)
     patterns = mtp_ignore_patterns(config)
+    if patterns is None:
+        return AutoModelForCausalLM.from_pretrained(path, config=config, **kwargs).eval()
     model_class = AutoModelForCausalLM._model_mapping[type(config)]
-    with _ignore_on_load(model_class, patterns):
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    if patterns is not None:
-        model._keys_to_ignore_on_load_unexpected = patterns
-    return model.eval()
+    # A subclass carries the fitted patterns: the Transformers class itself is never changed.
+    fitted = type(
+        model_class.__name__,
+        (model_class,),
+        {"_keys_to_ignore_on_load_unexpected": patterns, "__module__": model_class.__module__},
+    )
+    return fitted.from_pretrained(path, config=config, **kwargs).eval()

@@ -37,14 +37,14 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from bundled_tokenizer import END_OF_TEXT, IM_END, save_tokenizer
+from fast_kernels import fast_gated_delta_kernels
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-from ..modeling.io import atomic_directory
-from ..modeling.native_mtp import MTPLayout, NativeMTPHead, get_mtp_layout, load_native_mtp
-from .fast_kernels import fast_gated_delta_kernels
-from .tokenizer import END_OF_TEXT, IM_END, save_tokenizer
+from dmtp_hf.modeling.io import atomic_directory
+from dmtp_hf.modeling.native_mtp import MTPLayout, NativeMTPHead, get_mtp_layout, load_native_mtp
 
 __all__ = [
     "TARGET_PRESETS",

@@ -1,0 +1,153 @@
+"""The package's layering rules, checked on the source: layers import only downwards, no import cycles (lazy
+imports included), library code never imports the test helpers, and no library function grows past 120 lines."""
+
+import ast
+import threading
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from conftest import draft_for
+
+from dmtp_hf.testing.tiny_targets import load_tiny_target, make_tiny_target
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "dmtp_hf"
+# Each layer may import only the layers listed after it (and itself).
+LAYERS = ["cli", "demo", "evaluation", "training", "assistant", "bundled", "modeling"]
+ALLOWED = {layer: set(LAYERS[i:]) for i, layer in enumerate(LAYERS)}
+MAX_FUNCTION_LINES = 120
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every ``dmtp_hf`` module imported anywhere in the file (function-level imports included)."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name.startswith("dmtp_hf")}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.startswith("dmtp_hf"):
+                found.add(target)
+                found |= {f"{target}.{alias.name}" for alias in node.names}
+    return found
+
+
+def library_modules() -> dict[str, Path]:
+    return {module_name(p): p for p in PACKAGE.rglob("*.py") if "testing" not in p.relative_to(PACKAGE).parts}
+
+
+def resolve(name: str, modules: dict[str, Path]) -> str | None:
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def layer_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def test_layers_import_only_downwards_and_never_the_test_helpers():
+    modules = library_modules()
+    problems = []
+    for name, path in modules.items():
+        layer = layer_of(name)
+        for imported in imports_of(path):
+            if imported.startswith("dmtp_hf.testing"):
+                problems.append(f"{name} imports {imported}")
+                continue
+            target = layer_of(imported)
+            if layer in ALLOWED and target in LAYERS and target not in ALLOWED[layer]:
+                problems.append(f"{name} ({layer}) imports {imported} ({target})")
+    assert not problems, "\n".join(problems)
+
+
+def test_no_import_cycles():
+    modules = library_modules()
+    graph = defaultdict(set)
+    for name, path in modules.items():
+        for imported in imports_of(path):
+            target = resolve(imported, modules)
+            # A package's __init__ re-exports its modules; edges into the top-level package are the public API.
+            if target and target != name and target != "dmtp_hf" and not name.startswith(target + "."):
+                graph[name].add(target)
+    cycles = []
+    state: dict[str, int] = {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycles.append(stack[stack.index(nxt) :] + [nxt])
+            elif nxt not in state:
+                visit(nxt, [*stack, nxt])
+        state[node] = 2
+
+    for node in sorted(modules):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_no_library_function_is_longer_than_120_lines():
+    long = []
+    for name, path in library_modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    long.append(f"{name}.{node.name}: {length} lines")
+    assert not long, "\n".join(long)
+
+
+def test_the_decoding_round_reads_in_one_short_function():
+    from dmtp_hf.assistant import decoding
+
+    tree = ast.parse(Path(decoding.__file__).read_text())
+    (function,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "speculative_decode"]
+    assert function.end_lineno - function.lineno + 1 <= 90
+
+
+def test_two_targets_in_two_threads_equal_sequential_runs(targets, tmp_path):
+    """Nothing global is patched: two hybrid targets of one family decode concurrently as they do one by one."""
+    first = targets["qwen3_5"]
+    second = load_tiny_target(make_tiny_target("qwen3_5", tmp_path / "second", seed=7))
+    prompts = [torch.tensor([[5, 17, 42, 9, 77, 3, 64]]), torch.tensor([[8, 1, 90, 33, 2]])]
+    runs = [(first, prompts[0]), (second, prompts[1])]
+
+    def decode(target, prompt):
+        draft = draft_for(target)
+        return target.generate(prompt, assistant_model=draft, do_sample=False, max_new_tokens=40)
+
+    sequential = [decode(*run) for run in runs]
+    results: list = [None, None]
+    errors: list = []
+
+    def worker(i):
+        try:
+            for _ in range(3):  # several overlapping generate calls per thread
+                results[i] = decode(*runs[i])
+        except Exception as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    for got, expected, (target, prompt) in zip(results, sequential, runs):
+        assert torch.equal(got, expected)
+        assert torch.equal(got, target.generate(prompt, do_sample=False, max_new_tokens=40))
