@@ -125,10 +125,12 @@ def test_two_targets_in_two_threads_equal_sequential_runs(targets, tmp_path):
     first = targets["qwen3_5"]
     second = load_tiny_target(make_tiny_target("qwen3_5", tmp_path / "second", seed=7))
     prompts = [torch.tensor([[5, 17, 42, 9, 77, 3, 64]]), torch.tensor([[8, 1, 90, 33, 2]])]
-    runs = [(first, prompts[0]), (second, prompts[1])]
+    drafts = [draft_for(first), draft_for(second)]
+    for draft in drafts:
+        draft.native_mtp  # noqa: B018 - load the MTP heads up front: this test is about decoding
+    runs = [(first, prompts[0], drafts[0]), (second, prompts[1], drafts[1])]
 
-    def decode(target, prompt):
-        draft = draft_for(target)
+    def decode(target, prompt, draft):
         return target.generate(prompt, assistant_model=draft, do_sample=False, max_new_tokens=40)
 
     sequential = [decode(*run) for run in runs]
@@ -148,6 +150,6 @@ def test_two_targets_in_two_threads_equal_sequential_runs(targets, tmp_path):
     for thread in threads:
         thread.join()
     assert not errors, errors
-    for got, expected, (target, prompt) in zip(results, sequential, runs):
+    for got, expected, (target, prompt, _) in zip(results, sequential, runs):
         assert torch.equal(got, expected)
         assert torch.equal(got, target.generate(prompt, do_sample=False, max_new_tokens=40))

@@ -199,14 +199,14 @@ def speculative_decode(
                     logits, features, mtp_hidden = runner.forward(verify_ids, verify_positions, mask)
                 scores = process_block(logits, batch.prefix, candidates, logits_processor)
                 # 3. Accept the longest valid prefix, plus one bonus/correction token per row.
-                round_ = accept(verify(mode, candidates, scores, proposal.scores), candidates, batch, stopping)
+                verdict = verify(mode, candidates, scores, proposal.scores, select.do_sample)
+                round_ = accept(verdict, candidates, batch, stopping)
             # 4. Commit the tokens, then the target cache: A and the kept candidates become history.
             counts_host, accepted_host = batch.commit(round_)
             with stats.stage("rollback"):
                 state.commit(round_.counts.clamp(min=1), [max(c, 1) for c in counts_host])
             record([requests[row] for row in batch.rows_host], accepted_host, counts_host)
-            if streamer is not None and counts_host[0]:
-                streamer.put(round_.new_tokens[0, : counts_host[0]].cpu())
+            stream(streamer, round_.new_tokens[:, : counts_host[0]])
             if on_round is not None:
                 on_round(cache, batch.prefix)
             if stopping.criteria:  # stop strings, custom criteria (one more sync, only when there are any)
@@ -227,6 +227,12 @@ def speculative_decode(
         if streamer is not None:
             streamer.end()
     return batch.sequences(input_ids), stats
+
+
+def stream(streamer, tokens: torch.Tensor) -> None:
+    """Hand a round's committed tokens (batch size 1) to the streamer, if any."""
+    if streamer is not None and tokens.numel():
+        streamer.put(tokens[0].cpu())
 
 
 def leave(batch: ActiveBatch, drafter: Drafter, state: TargetCacheState, step: TargetStep, counts_host: list[int]):

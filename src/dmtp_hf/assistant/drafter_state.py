@@ -1,6 +1,6 @@
 """Drafter state: what a drafter remembers between rounds, in two interchangeable backends.
 
-A drafter holds up to two pieces of state (docs/design.md, "state"):
+A drafter holds up to two pieces of state (docs/design.md §8, "state"):
 
 - **the MTP state**: the native MTP head's private KV cache over the committed pairs ``(x_{t+1}, h_t)``, plus
   ``g``, the MTP hidden of the last committed pair (it predicts the next T1);

@@ -1,4 +1,4 @@
-"""Token selection and the three lossless verification rules (docs/design.md, verification).
+"""Token selection and the three lossless verification rules (docs/design.md §3).
 
 Every distribution here is *processed*: the generation's logits processors (repetition penalty, temperature,
 top-k, top-p, ...) are applied with the exact prefix each position sees, identically for draft and target, so
@@ -75,6 +75,7 @@ def verify(
     candidates: torch.Tensor,  # [B, K]
     target_scores: torch.Tensor,  # [B, K+1, V] processed target scores at [A, T1..TK]
     draft_scores: torch.Tensor | None = None,  # [B, K, V] processed scores each candidate was drawn from
+    draft_sampled: bool = True,  # False: candidates are the argmax of draft_scores (q is one-hot)
 ) -> Verdict:
     """Accept the longest valid prefix of ``candidates`` and draw one token from the target after it.
 
@@ -82,7 +83,8 @@ def verify(
     target at every slot and accept while samples equal candidates; the bonus is the first differing sample.
     ``rejection`` (Leviathan et al.): accept candidate i with probability ``min(1, p_i/q_i)``, on rejection
     resample from ``norm(max(p - q, 0))``, and if all are accepted sample the bonus from ``p``. All three leave the
-    output distribution equal to the target's.
+    output distribution equal to the target's. Greedy drafts (``draft_sampled=False``) were drawn from a one-hot
+    ``q`` at the candidate, which is the ``q`` used, so the rule stays exact for them too.
     """
     num_candidates = candidates.shape[1]
     if mode == "greedy":
@@ -98,10 +100,15 @@ def verify(
     if draft_scores is None:
         raise ValueError("rejection sampling needs the draft distributions the candidates were drawn from.")
     p = target_scores.softmax(dim=-1)  # [B, K+1, V]
-    q = draft_scores.softmax(dim=-1)  # [B, K, V]
+    if draft_sampled:
+        q = draft_scores.softmax(dim=-1)  # [B, K, V]
+    else:
+        q = torch.zeros_like(p[:, :num_candidates]).scatter_(2, candidates[..., None], 1.0)
     p_tok = p[:, :num_candidates].gather(2, candidates[..., None])[..., 0]
     q_tok = q.gather(2, candidates[..., None])[..., 0]
-    accept = torch.rand_like(p_tok) * q_tok <= p_tok  # u <= p/q without dividing by a zero q
+    # u < p/q without dividing by q; strict, so that a token the target forbids (p = 0) is never accepted, not even
+    # when u = 0
+    accept = torch.rand_like(p_tok) * q_tok < p_tok
     n = _leading_true(accept)
     # Residual distribution at the first rejected slot; the plain target distribution after all K are accepted.
     q_padded = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)  # [B, K+1, V]

@@ -3,7 +3,7 @@
 Protocol by default: first 80 prompts of each set, the target's chat template with ``add_generation_prompt=True``
 and ``enable_thinking=False``, T=0, up to 1,024 new tokens per turn, stop at EOS. Multi-turn prompts (MT-Bench)
 are answered turn by turn, each strategy carrying *its own* previous answers into the next turn; every turn is
-one request of the statistics. Every metric is DESIGN.md §6's, computed by :class:`~dmtp_hf.SpecStats`.
+one request of the statistics. Every metric is docs/design.md §6's, computed by :class:`~dmtp_hf.SpecStats`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``dmtp bench``: end-to-end throughput of every decoding method a user would pick, side by side, in one run.
 
-Throughput = output tokens / wall time of the whole workload (prefill included, DESIGN.md §6), reported as a
+Throughput = output tokens / wall time of the whole workload (prefill included, docs/design.md §6), reported as a
 ratio against plain ``target.generate`` at the same batch size. Rows: plain ``generate``; our DMTP, DFlash and
 MTP-k (``dmtp_hf.generate``); Transformers' prompt-lookup decoding, ``use_mtp=True`` (``MTPCandidateGenerator``,
 DeepSeek-V3/GLM-style heads) and assisted decoding with a small ``--assistant``. A method Transformers or the

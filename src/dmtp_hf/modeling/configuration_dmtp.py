@@ -24,7 +24,7 @@ from transformers import Qwen3Config
 
 ANCHOR_LAYOUTS = ("dflash", "single", "dual")
 FUSIONS = ("none", "hidden_residual", "residual", "replace")
-# Blessed combinations (DESIGN.md §1); other single/dual combinations are allowed as ablations.
+# Blessed combinations (docs/design.md §1); other single/dual combinations are allowed as ablations.
 DEFAULT_ANCHOR_LAYOUT = "dual"
 DEFAULT_FUSION = "residual"
 DEFAULT_NUM_CANDIDATES = 7

@@ -6,7 +6,7 @@ Read top to bottom:
    projected target features are injected as extra keys/values in every layer, the block attends to itself
    bidirectionally (causally in sliding layers unless ``is_causal`` says otherwise). Who may attend to whom is
    one rule, ``dflash_visibility`` in ``attention_masks.py``.
-2. ``FirstCandidateFusion``: how the MTP hidden that predicted T1 reaches T1's slot (docs/design.md, layouts).
+2. ``FirstCandidateFusion``: how the MTP hidden that predicted T1 reaches T1's slot (docs/design.md §1).
 3. ``DMTPDraftModel``: the checkpoint. ``forward`` runs the backbone on already-embedded slots;
    ``block_embeddings`` builds the slots of a round for the configured layout; ``bind`` attaches the target
    (its frozen embedding and LM head are used, never copied).
@@ -165,7 +165,7 @@ class DMTPDecoderLayer(GradientCheckpointingLayer):
 
 
 class FirstCandidateFusion(nn.Module):
-    """Injects the MTP hidden that predicted T1 into T1's input slot (DESIGN.md §1).
+    """Injects the MTP hidden that predicted T1 into T1's input slot (docs/design.md §1).
 
     ``residual``:        ``E(T1) + W [RMS_e(E(T1)); RMS_m(h)]``, ``W`` zero-initialised (the main method)
     ``replace``:         ``W [RMS_e(E(T1)); RMS_m(h)]``, ``W`` initialised to pass ``RMS_e(E(T1))`` through

@@ -171,7 +171,7 @@ class ChatRenderer:
                     "be located by incremental rendering; use a template with {% generation %} markers "
                     "(mask_strategy='generation') or split the conversation into single-turn records."
                 )
-            start = _common_prefix_length(prompt, full)
+            start = len(os.path.commonprefix([prompt, full]))
             spans.append((start, len(through)))
         return full, spans
 
@@ -192,14 +192,6 @@ class ChatRenderer:
 def _generation_tags(template: str | dict) -> str:
     text = template if isinstance(template, str) else " ".join(template.values())
     return "generation" if "{% generation %}" in text or "{%- generation %}" in text else ""
-
-
-def _common_prefix_length(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 # ----------------------------------------------------------------------------------------------------

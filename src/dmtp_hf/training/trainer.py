@@ -43,7 +43,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch import nn
 from tqdm.auto import tqdm
-from transformers import get_cosine_schedule_with_warmup
+from transformers import GenerationConfig, HfArgumentParser, get_cosine_schedule_with_warmup
 
 from ..bundled import resolve_target_path
 from ..modeling import DMTPConfig, DMTPDraftModel, load_native_mtp
@@ -133,16 +133,16 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
-        """Build and type-check from a plain dict (unknown keys raise ``ValueError``)."""
-        known = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - set(known))
-        if unknown:
-            raise ValueError(f"Unknown config key(s) {unknown}; valid keys: {sorted(known)}")
+        """Build and type-check from a plain dict (unknown keys raise ``ValueError`` naming them)."""
+        try:
+            (config,) = HfArgumentParser(cls).parse_dict(values, allow_extra_keys=False)
+        except ValueError as err:
+            raise ValueError(f"Unknown config key(s): {err}") from None
+        # HfArgumentParser.parse_dict does not check value types: a wrong type must fail here, not mid-training.
         hints = typing.get_type_hints(cls)
         for key, value in values.items():
             if not _type_matches(value, hints[key]):
                 raise ValueError(f"Config key {key!r} expects {hints[key]}, got {value!r}")
-        config = cls(**values)
         config.validate()
         return config
 
@@ -268,11 +268,11 @@ def synthetic_greedy_dataset(
     vocab = target.config.get_text_config().vocab_size
     generator = torch.Generator().manual_seed(seed)
     device = next(target.parameters()).device
-    ids = torch.randint(0, vocab - 1, (num_samples, prompt_length), generator=generator).to(device)
+    prompts = torch.randint(0, vocab - 1, (num_samples, prompt_length), generator=generator).to(device)
+    # No EOS: every sample runs to `length` tokens.
+    greedy = GenerationConfig(do_sample=False, max_new_tokens=length - prompt_length, eos_token_id=None, pad_token_id=0)
     with torch.no_grad():
-        for _ in range(length - prompt_length):  # no KV cache: tiny targets only
-            next_ids = target(input_ids=ids, use_cache=False, logits_to_keep=1).logits[:, -1].argmax(dim=-1)
-            ids = torch.cat([ids, next_ids[:, None]], dim=1)
+        ids = target.generate(prompts, attention_mask=torch.ones_like(prompts), generation_config=greedy)
     loss_mask = torch.zeros_like(ids)
     loss_mask[:, prompt_length:] = 1
     return TokenizedDataset([{"input_ids": i.cpu(), "loss_mask": m.cpu()} for i, m in zip(ids, loss_mask, strict=True)])
@@ -614,6 +614,8 @@ class Trainer:
         """``output_dir/checkpoints``: one ``step-XXXXXXXX`` directory per checkpoint."""
         return Path(self.config.output_dir) / "checkpoints"
 
+    # Our own naming and rotation, not accelerate's ProjectConfiguration(automatic_checkpoint_naming): that writes the
+    # state in place (not atomically) and cannot keep the exported model and trainer state in the same unit.
     def save_checkpoint(self) -> Path:
         """Write ``checkpoints/step-N/{state/, model/, trainer_state.json}`` atomically (all processes call this).
 

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate import init_empty_weights
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
 
@@ -280,9 +279,9 @@ def load_native_mtp(
             fp8_block_size = fp8_block_size or block_size_of(quantization_config)
     tensors = dequantize_fp8_state_dict(tensors, fp8_block_size)
 
-    # Parameters on the meta device (a real MoE MTP layer is billions of parameters: never materialize it twice);
-    # buffers are real so that non-persistent ones keep their computed values.
-    with init_empty_weights(include_buffers=False):
+    # Built on the meta device (a real MoE MTP layer is billions of parameters: never materialize it twice). The
+    # device context is thread-local, unlike accelerate's init_empty_weights, which patches nn.Module process-wide.
+    with torch.device("meta"):
         head = NativeMTPHead(target, layout, hidden_input=hidden_input)
     expected = {name: tensor.shape for name, tensor in head.state_dict().items()}
     state_dict, missing, ignored = checkpoint_to_head_state_dict(tensors, layout, expected)
@@ -316,6 +315,9 @@ def load_native_mtp(
             tensor_dtype = torch.float32
         state_dict[name] = tensor.to(device=device, dtype=tensor_dtype)
     head.load_state_dict(state_dict, strict=True, assign=True)
+    unloaded = [name for name, tensor in [*head.named_parameters(), *head.named_buffers()] if tensor.is_meta]
+    if unloaded:
+        raise ValueError(f"The {layout.name} MTP head has tensors no checkpoint entry fills: {unloaded}")
     head.to(device)
     head.requires_grad_(False)
     return head.eval()
