@@ -21,10 +21,12 @@ from dmtp_hf.modeling.native_mtp import (
     dequantize_block_fp8,
     get_mtp_layout,
     load_native_mtp,
+    new_mtp_head,
     register_mtp_layout,
     resolve_mtp_layout,
+    save_mtp_head,
 )
-from dmtp_hf.testing import FAMILIES, load_tiny_target, make_tiny_target, read_checkpoint_tensors
+from dmtp_hf.testing import FAMILIES, load_tiny_target, make_tiny_llama, make_tiny_target, read_checkpoint_tensors
 from dmtp_hf.testing.tiny_targets import TINY_FP8_BLOCK
 
 
@@ -62,6 +64,13 @@ FAMILY_FACTS = {
         False,
     ),
 }
+FAMILY_FACTS["retrofit"] = (
+    "mtp.",
+    ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc", "norm"),
+    "layers.0.",
+    False,
+    False,
+)
 SHARED_COPIES = ("embed_tokens.", "shared_head.head.")
 
 
@@ -574,3 +583,83 @@ def test_registry_adds_a_family_with_one_entry(tiny, monkeypatch, tmp_path):
         atol=0,
         rtol=0,
     )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Retrofitted heads: a new MTP head for a target that ships none (a tiny random Llama, SmolLM2's architecture)
+
+
+@pytest.fixture(scope="module")
+def retrofitted(tmp_path_factory):
+    """(target, saved head directory, the head as trained): a perturbed new head, saved standalone."""
+    root = tmp_path_factory.mktemp("llama")
+    target = load_tiny_target(make_tiny_llama(root / "target"))
+    head = new_mtp_head(target)
+    with torch.no_grad():  # stands in for training: every tensor moves away from its initialisation
+        for parameter in head.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    return target, save_mtp_head(head, root / "head", target), head
+
+
+def test_llama_target_has_no_native_head_until_one_is_retrofitted(retrofitted):
+    target, directory, trained = retrofitted
+    with pytest.raises(UnsupportedMTPFamilyError):
+        load_native_mtp(target)
+    head = load_native_mtp(target, checkpoint=directory)
+    assert head.layout.name == "retrofit" and type(head.layer) is type(target.get_decoder().layers[-1])
+    assert head.embed_tokens is target.get_input_embeddings() and head.lm_head is target.get_output_embeddings()
+    assert all(torch.equal(t, trained.state_dict()[n]) for n, t in head.state_dict().items())
+    with safe_open(str(directory / "model.safetensors"), framework="pt") as handle:
+        names = set(handle.keys())
+    assert {
+        "mtp.fc.weight",
+        "mtp.pre_fc_norm_embedding.weight",
+        "mtp.pre_fc_norm_hidden.weight",
+        "mtp.norm.weight",
+    } <= names
+    assert any(n.startswith("mtp.layers.0.self_attn.") for n in names)
+
+
+def test_retrofitted_head_matches_handwritten_reference(retrofitted):
+    target, directory, _ = retrofitted
+    head = load_native_mtp(target, checkpoint=directory)
+    raw = {**read_checkpoint_tensors(directory), **target.state_dict()}
+    ids = prompt_ids(batch=2, length=7)
+    hidden = target_hidden(target, ids)
+    positions = torch.arange(6)[None].expand(2, -1)
+    g = RoundState(head).prefill(ids[:, 1:], hidden[:, :-1])
+    ref_g, ref_logits = reference_logits("retrofit", target, raw, ids[:, 1:], hidden[:, :-1], positions)
+    torch.testing.assert_close(g, ref_g, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(head.logits(g), ref_logits, atol=1e-5, rtol=1e-5)
+
+
+def test_retrofitted_head_advance_after_partial_acceptance_equals_fresh_prefill(retrofitted):
+    target, directory, _ = retrofitted
+    head = load_native_mtp(target, checkpoint=directory)
+    committed = prompt_ids(length=10, seed=3)
+    hidden = target_hidden(target, committed)
+    state = RoundState(head)
+    state.prefill(committed[:, 1:7], hidden[:, :6])
+    state.propose(3)
+    state.advance(committed[:, 7:9], hidden[:, 6:8])
+    incremental = state.predict()[0]
+    state.prefill(committed[:, 1:9], hidden[:, :8])
+    torch.testing.assert_close(incremental, state.predict()[0], atol=1e-5, rtol=1e-5)
+
+
+def test_retrofitted_head_drafts_losslessly_through_generate(retrofitted):
+    from conftest import draft_for
+
+    from dmtp_hf.assistant import MTPDrafter, speculative_decode
+
+    target, directory, _ = retrofitted
+    head = load_native_mtp(target, checkpoint=directory)
+    prompt = prompt_ids(length=6, seed=4)
+    with torch.enable_grad():
+        draft = draft_for(target).bind(target, native_mtp=head)
+    reference = target.generate(prompt, do_sample=False, max_new_tokens=20, eos_token_id=None)
+    out = target.generate(prompt, assistant_model=draft, do_sample=False, max_new_tokens=20, eos_token_id=None)
+    assert torch.equal(out, reference)
+    for steps in (1, 3):
+        out, _ = speculative_decode(target, prompt, MTPDrafter(head, steps), max_length=reference.shape[1])
+        assert torch.equal(out, reference)

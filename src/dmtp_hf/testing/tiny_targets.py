@@ -46,6 +46,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import PreTrainedConfig, PreTrainedModel
 
+from ..modeling.native_mtp.fp8 import quantize_block_fp8
 from ..modeling.native_mtp.loading import load_target_checkpoint, mtp_ignore_patterns  # noqa: F401 (re-export)
 
 __all__ = [
@@ -273,19 +274,6 @@ def _mtp_tensors(family: str, text_config: PreTrainedConfig, decoder_layer_class
     return {name: tensor.to(torch.float32).contiguous() for name, tensor in tensors.items()}
 
 
-def _quantize_block_fp8(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-scaled float8_e4m3fn quantization as in the DeepSeek FP8 releases: returns (fp8 weight, scale_inv)."""
-    rows, cols = block
-    out_features, in_features = weight.shape
-    blocks_r, blocks_c = -(-out_features // rows), -(-in_features // cols)
-    padded = torch.zeros(blocks_r * rows, blocks_c * cols)
-    padded[:out_features, :in_features] = weight
-    tiles = padded.view(blocks_r, rows, blocks_c, cols)
-    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-8) / torch.finfo(torch.float8_e4m3fn).max  # [br, bc]
-    quantized = (tiles / scale[:, None, :, None]).view_as(padded)[:out_features, :in_features]
-    return quantized.to(torch.float8_e4m3fn).contiguous(), scale.to(torch.float32).contiguous()
-
-
 def _is_fp8_candidate(name: str, tensor: torch.Tensor) -> bool:
     # Linear weights of the MTP layer; norms, the MoE router and the embedding/head copies stay high precision.
     skip = ("norm", "mlp.gate.weight", "embed_tokens", "shared_head.head")
@@ -379,7 +367,7 @@ def make_tiny_target(
         quantized = {}
         for name, tensor in mtp.items():
             if _is_fp8_candidate(name, tensor):
-                quantized[name], quantized[name + "_scale_inv"] = _quantize_block_fp8(tensor, TINY_FP8_BLOCK)
+                quantized[name], quantized[name + "_scale_inv"] = quantize_block_fp8(tensor, TINY_FP8_BLOCK)
             else:
                 quantized[name] = tensor
         mtp = quantized
@@ -407,3 +395,27 @@ def make_tiny_target(
 def load_tiny_target(path: str | Path, **kwargs: Any) -> PreTrainedModel:
     """A tiny target checkpoint loaded for tests (`dmtp_hf.modeling.native_mtp.load_target_checkpoint`)."""
     return load_target_checkpoint(path, **kwargs)
+
+
+def make_tiny_llama(directory: str | Path, *, seed: int = 0, vocab_size: int = 128) -> Path:
+    """A tiny random Llama checkpoint with tied embeddings and no MTP head (SmolLM2's architecture in miniature)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+    torch.manual_seed(seed)
+    path = Path(directory)
+    LlamaForCausalLM(config).eval().save_pretrained(path)
+    return path

@@ -82,6 +82,8 @@ class FeatureExtractor:
         mtp_head: the frozen native MTP head, or None for the DFlash baseline (no MTP features).
         hidden_input: the target hidden the MTP head reads: ``"post_norm"`` (default) or ``"pre_norm"``.
         token_chunk: positions per LM-head chunk when computing ``mtp_token`` (bounds the ``[B, chunk, V]`` logits).
+        head_inputs: also return ``head_hidden``, the hidden the head reads (training the head itself).
+        final_hidden: also return ``final_hidden``, the post-norm hidden (the target's own distribution, for KL).
     """
 
     def __init__(
@@ -91,12 +93,16 @@ class FeatureExtractor:
         mtp_head: NativeMTPHead | None = None,
         hidden_input: str = "post_norm",
         token_chunk: int = 256,
+        head_inputs: bool = False,
+        final_hidden: bool = False,
     ):
         self.target = target
         self.target_layer_ids = list(target_layer_ids)
         self.mtp_head = mtp_head
         self.hidden_input = hidden_input
         self.token_chunk = token_chunk
+        self.head_inputs = head_inputs
+        self.final_hidden = final_hidden
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
@@ -110,8 +116,13 @@ class FeatureExtractor:
                 logits_to_keep=1,  # the target's own logits are not needed
             )
             last_hidden = extract(outputs)  # [B, S, H]
-        context = torch.cat([outputs.hidden_states[i + 1] for i in self.target_layer_ids], dim=-1)  # [B, S, k*H]
-        features = {"context": context}
+        features = {}
+        if self.target_layer_ids:
+            features["context"] = torch.cat([outputs.hidden_states[i + 1] for i in self.target_layer_ids], dim=-1)
+        if self.head_inputs:
+            features["head_hidden"] = last_hidden
+        if self.final_hidden:
+            features["final_hidden"] = outputs.hidden_states[-1]
         if self.mtp_head is None:
             return features
 

@@ -41,8 +41,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..modeling.attention_masks import attention_mask_for_implementation, dflash_visibility
 from ..modeling.configuration_dmtp import DMTPConfig
-from ..modeling.modeling_dmtp import DMTPDraftModel, attention_mask_for_implementation, dflash_visibility
+from ..modeling.modeling_dmtp import DMTPDraftModel
 
 __all__ = [
     "BlockPlan",
@@ -291,6 +292,21 @@ class DMTPTrainingObjective(nn.Module):
         """The underlying `DMTPDraftModel` (inside a PEFT wrapper when LoRA is on)."""
         return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
 
+    @staticmethod
+    def metric_vector(outputs: list[ObjectiveOutput]) -> torch.Tensor:
+        """Summed metric sums of micro-batch outputs (what ranks all-reduce)."""
+        return metric_vector(outputs)
+
+    def empty_metric_vector(self, device) -> torch.Tensor:
+        """Zeros shaped like `metric_vector` (a process without an eval batch)."""
+        probe = self.draft.config.block_length - self.draft.config.first_predicted_slot
+        return torch.zeros(5 + 2 * probe, device=device)
+
+    @staticmethod
+    def metrics_from_vector(vector: torch.Tensor) -> dict[str, float]:
+        """``loss``, ``acc_j``, ``accept_len``, ``accept_len_tf``."""
+        return metrics_from_vector(vector)
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [B, S]
@@ -299,6 +315,7 @@ class DMTPTrainingObjective(nn.Module):
         mtp_hidden: torch.Tensor | None = None,  # [B, S, H]: g_t (predicts x_{t+2}); unused by dflash
         mtp_token: torch.Tensor | None = None,  # [B, S]: argmax lm_head(g_t), for the acceptance metric
         normalizer: torch.Tensor | float | None = None,
+        **_: object,  # inputs of other objectives (head training) that share the batch
     ) -> ObjectiveOutput:
         """Loss and metrics of one micro-batch; ``normalizer`` defaults to the local weight sum."""
         draft = self.draft

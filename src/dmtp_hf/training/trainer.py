@@ -48,16 +48,12 @@ from transformers import GenerationConfig, HfArgumentParser, get_cosine_schedule
 from ..bundled import resolve_target_path
 from ..modeling import DMTPConfig, DMTPDraftModel, load_native_mtp
 from ..modeling.io import atomic_directory
+from ..modeling.native_mtp import NativeMTPHead, new_mtp_head
+from ..modeling.native_mtp.export import save_mtp_head
 from .data import TokenizedDataset, collate, load_dataset_records
 from .features import FEATURE_KEYS, FeatureExtractor, freeze, load_target
-from .objective import (
-    DMTPTrainingObjective,
-    ObjectiveOutput,
-    anchor_scores,
-    metric_vector,
-    metrics_from_vector,
-    plan_blocks,
-)
+from .mtp_objective import JointObjective, MTPHeadObjective, mtp_positions
+from .objective import DMTPTrainingObjective, anchor_scores, plan_blocks
 
 __all__ = [
     "StepSchedule",
@@ -88,6 +84,11 @@ class TrainConfig:
     draft_config: dict[str, Any] = field(default_factory=dict)  # DMTPConfig overrides (from scratch: sizes, mask id)
     attn_implementation: str = "sdpa"  # sdpa (dense mask) | flex_attention (BlockMask) | eager
     mtp_hidden_input: str = "post_norm"  # which target hidden the MTP head reads
+    train_mtp_head: str = "frozen"  # frozen (train the draft) | only (the native MTP head alone) | joint (both)
+    mtp_init_from: str | None = None  # head checkpoint (`save_mtp_head`) to start from; None = the target's own
+    mtp_retrofit: bool = False  # the target ships no MTP head: train a new one (retrofit layout)
+    mtp_loss_weight: float = 1.0  # joint: weight of the head loss next to the draft loss
+    mtp_kl_weight: float = 0.0  # head loss: CE + this * KL(target || head)
     target_dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16
     # --- data
     train_data: str  # chat/pre-tokenized JSONL, an offline feature directory, or synthetic:<N>x<len>
@@ -165,6 +166,7 @@ class TrainConfig:
             "mixed_precision": ("auto", "no", "bf16", "fp16"),
             "report_to": ("tensorboard", "none"),
             "mask_strategy": ("auto", "generation", "incremental"),
+            "train_mtp_head": ("frozen", "only", "joint"),
         }
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
@@ -176,6 +178,10 @@ class TrainConfig:
             raise ValueError("logits_chunk_size must be >= 1 (or null for no chunking)")
         if self.anchor_layout == "dflash" and self.fusion != "none":
             self.fusion = "none"  # DFlash blocks have no T1 slot
+        if self.train_mtp_head == "joint" and self.anchor_layout == "dflash":
+            raise ValueError("train_mtp_head='joint' trains a DMTP draft with the head: anchor_layout 'single'/'dual'")
+        if self.mtp_retrofit and self.train_mtp_head == "frozen" and not self.mtp_init_from:
+            raise ValueError("mtp_retrofit builds an untrained head: train it (train_mtp_head only/joint)")
 
     def to_dict(self) -> dict[str, Any]:
         """The config as a plain dict (what is saved next to checkpoints)."""
@@ -278,6 +284,21 @@ def synthetic_greedy_dataset(
     return TokenizedDataset([{"input_ids": i.cpu(), "loss_mask": m.cpu()} for i, m in zip(ids, loss_mask, strict=True)])
 
 
+def merged_head(model: nn.Module) -> NativeMTPHead:
+    """A plain `NativeMTPHead` from a (possibly LoRA-wrapped) head; LoRA is merged into a copy (see `merged_draft`)."""
+    if not hasattr(model, "merge_and_unload"):
+        return model
+    base = model.get_base_model()
+    shared = base.__dict__.pop("_shared")  # the target's embedding and LM head: referenced, never copied
+    try:
+        clone = copy.deepcopy(model)
+    finally:
+        base.__dict__["_shared"] = shared
+    merged = clone.merge_and_unload()
+    merged.__dict__["_shared"] = shared
+    return merged
+
+
 # ----------------------------------------------------------------------------------------------------
 # 3. Which samples each process reads
 
@@ -364,26 +385,22 @@ class Trainer:
         acc = self.accelerator
         set_seed(config.seed)  # the initial draft weights (from scratch) are the same on every process
 
-        # Frozen parts: the target (its embedding and LM head included) and the native MTP head.
+        # The frozen target (its embedding and LM head included), the native MTP head (frozen unless trained) and the
+        # draft (bound to the target: embedding and LM head are the target's, never copied).
         if target is None:
             dtype = config.target_dtype if config.target_dtype != "auto" else ("bfloat16" if cuda else "float32")
             target = load_target(config.target_model, dtype=getattr(torch, dtype))
         self.target = freeze(target).to(acc.device)
-        self.mtp_head = None
-        if config.anchor_layout != "dflash":
-            self.mtp_head = freeze(load_native_mtp(self.target, hidden_input=config.mtp_hidden_input))
-
-        # The draft (bound to the target: embedding and LM head are the target's, never copied).
-        set_seed(config.seed)
-        draft = build_draft(config, self.target)
-        draft.set_attn_implementation(config.attn_implementation)
-        draft.bind(self.target, native_mtp=self.mtp_head)
-        if config.gradient_checkpointing:
-            draft.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        if config.lora:
-            draft = self._wrap_lora(draft)
+        self.mtp_head = self._build_mtp_head()
+        draft = None if config.train_mtp_head == "only" else self._build_draft()
+        frozen_head = self.mtp_head if config.train_mtp_head == "frozen" else None
         self.extractor = FeatureExtractor(
-            self.target, draft.config.target_layer_ids, self.mtp_head, hidden_input=config.mtp_hidden_input
+            self.target,
+            draft.config.target_layer_ids if draft is not None else [],
+            frozen_head,
+            hidden_input=config.mtp_hidden_input,
+            head_inputs=config.train_mtp_head != "frozen",
+            final_hidden=config.train_mtp_head != "frozen" and config.mtp_kl_weight > 0,
         )
 
         # Data.
@@ -408,7 +425,7 @@ class Trainer:
 
         # Optimisation. The scheduler is stepped by hand once per optimizer step (accelerate would step it once per
         # process), and registered so that save_state/load_state carry it.
-        objective = DMTPTrainingObjective(draft, config.loss_decay_gamma, config.logits_chunk_size)
+        objective = self._build_objective(draft)
         trainable = [p for p in objective.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(
             trainable,
@@ -431,7 +448,44 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------------------
     # Setup helpers
 
-    def _wrap_lora(self, draft: DMTPDraftModel) -> nn.Module:
+    def _build_mtp_head(self) -> NativeMTPHead | None:
+        """The native MTP head: frozen (draft training), trainable (``train_mtp_head`` only/joint), or None (DFlash)."""
+        config = self.config
+        if config.train_mtp_head == "frozen" and config.anchor_layout == "dflash":
+            return None
+        trained = config.train_mtp_head != "frozen"
+        dtype = torch.float32 if trained else None  # trained weights keep fp32 masters (autocast computes in bf16)
+        if config.mtp_retrofit and not config.mtp_init_from:
+            head = new_mtp_head(self.target, hidden_input=config.mtp_hidden_input, dtype=dtype)
+        else:
+            head = load_native_mtp(
+                self.target, checkpoint=config.mtp_init_from, hidden_input=config.mtp_hidden_input, dtype=dtype
+            )
+        return head.requires_grad_(True).train() if trained else freeze(head)
+
+    def _build_draft(self) -> nn.Module:
+        config = self.config
+        set_seed(config.seed)
+        draft = build_draft(config, self.target)
+        draft.set_attn_implementation(config.attn_implementation)
+        draft.bind(self.target, native_mtp=self.mtp_head)
+        if config.gradient_checkpointing:
+            draft.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        return self._wrap_lora(draft, ["fusion"] if draft.fusion is not None else None) if config.lora else draft
+
+    def _build_objective(self, draft: nn.Module | None) -> nn.Module:
+        """What accelerate wraps: the draft objective, the head objective (``only``), or both (``joint``)."""
+        config = self.config
+        if config.train_mtp_head == "only":
+            head = self._wrap_lora(self.mtp_head, None) if config.lora else self.mtp_head
+            return MTPHeadObjective(head, config.mtp_kl_weight, config.logits_chunk_size or 1024)
+        objective = DMTPTrainingObjective(draft, config.loss_decay_gamma, config.logits_chunk_size)
+        if config.train_mtp_head == "joint":
+            head = MTPHeadObjective(self.mtp_head, config.mtp_kl_weight, config.logits_chunk_size or 1024)
+            objective = JointObjective(objective, head, config.mtp_loss_weight)
+        return objective
+
+    def _wrap_lora(self, model: nn.Module, modules_to_save: list[str] | None) -> nn.Module:
         from peft import LoraConfig, get_peft_model
 
         config = self.config
@@ -440,9 +494,9 @@ class Trainer:
             lora_alpha=config.lora_alpha,
             lora_dropout=config.lora_dropout,
             target_modules=list(config.lora_target_modules),
-            modules_to_save=["fusion"] if draft.fusion is not None else None,
+            modules_to_save=modules_to_save,
         )
-        return get_peft_model(draft, lora)
+        return get_peft_model(model, lora)
 
     def _load_data(self, source: str) -> torch.utils.data.Dataset:
         config = self.config
@@ -459,14 +513,29 @@ class Trainer:
         )
 
     @property
+    def unwrapped_objective(self) -> nn.Module:
+        """The objective module without accelerate's wrapper (DDP/FSDP)."""
+        return self.accelerator.unwrap_model(self.objective)
+
+    @property
     def draft(self) -> DMTPDraftModel:
         """The plain draft being trained (LoRA layers injected when ``lora`` is on)."""
-        return self.accelerator.unwrap_model(self.objective).draft
+        if self.config.train_mtp_head == "only":
+            raise AttributeError("train_mtp_head='only' trains no draft")
+        return self.unwrapped_objective.draft
+
+    @property
+    def trained_head(self) -> nn.Module | None:
+        """The MTP head being trained (LoRA-wrapped when ``lora`` is on in ``only`` mode); None when frozen."""
+        objective = self.unwrapped_objective
+        if isinstance(objective, JointObjective):
+            return objective.head_objective.model
+        return objective.model if isinstance(objective, MTPHeadObjective) else None
 
     def frozen_parameters(self) -> dict[str, torch.Tensor]:
-        """Every frozen parameter: the target's (embedding and LM head included) and the MTP head's."""
+        """Every frozen parameter: the target's (embedding and LM head included), and the MTP head's unless trained."""
         params = {f"target.{n}": p for n, p in self.target.named_parameters()}
-        if self.mtp_head is not None:
+        if self.mtp_head is not None and self.config.train_mtp_head == "frozen":
             params.update({f"mtp.{n}": p for n, p in self.mtp_head.named_parameters()})
         return params
 
@@ -481,18 +550,22 @@ class Trainer:
         device = self.accelerator.device
         batch = {k: v.to(device) for k, v in collate(samples).items()}
         if "context" in batch:  # offline features
+            if self.config.train_mtp_head != "frozen":
+                raise ValueError("Training the MTP head needs the target online: offline features hold no head inputs")
             features = {k: batch[k] for k in FEATURE_KEYS if k in batch}
         else:
             features = self.extractor(batch["input_ids"], batch["attention_mask"])
-        plan = plan_blocks(
-            batch["input_ids"],
-            batch["loss_mask"],
-            scores.to(device),
-            self.draft.config,
-            self.config.num_anchors,
-            self.config.loss_decay_gamma,
-        )
-        return {"input_ids": batch["input_ids"], "plan": plan, **features}
+        inputs = {"input_ids": batch["input_ids"], "loss_mask": batch["loss_mask"], **features}
+        if self.config.train_mtp_head != "only":
+            inputs["plan"] = plan_blocks(
+                batch["input_ids"],
+                batch["loss_mask"],
+                scores.to(device),
+                self.draft.config,
+                self.config.num_anchors,
+                self.config.loss_decay_gamma,
+            )
+        return inputs
 
     def _step_inputs(self, step: int) -> list[dict[str, Any]]:
         scores = anchor_scores(self.config.seed, step, self.schedule.global_batch_size, self.config.max_length)
@@ -549,19 +622,26 @@ class Trainer:
         """One optimizer step over this process's micro-batches; returns metrics of the whole global batch."""
         acc, config = self.accelerator, self.config
         inputs = self._step_inputs(self.step)
-        # Global normaliser: sum of slot weights over every micro-batch of every process.
-        local_weight = torch.stack([x["plan"].weight_sum for x in inputs]).sum()
-        global_weight = acc.reduce(local_weight.detach().clone(), reduction="sum")
-        normalizer = global_weight.clamp(min=1e-6) / acc.num_processes
+        # Global normalisers (known before any forward): the draft's slot weights and the head's supervised positions
+        # over every micro-batch of every process, times the number of processes, which DDP averages over.
+        local = torch.stack(
+            [
+                torch.stack([x["plan"].weight_sum if "plan" in x else x["loss_mask"].new_zeros(()).float(),
+                             mtp_positions(x["loss_mask"]).sum().float()])
+                for x in inputs
+            ]
+        ).sum(dim=0)  # fmt: skip
+        totals = acc.reduce(local.detach().clone(), reduction="sum").clamp(min=1e-6) / acc.num_processes
+        normalizer, mtp_normalizer = totals[0], totals[1]
 
         self.objective.train()
-        outputs: list[ObjectiveOutput] = []
+        outputs: list = []
         for i, batch in enumerate(inputs):
             last = i == len(inputs) - 1
             sync = contextlib.nullcontext() if last else acc.no_sync(self.objective)
             with sync:
-                out = self.objective(**batch, normalizer=normalizer)
-                acc.backward(out.loss)
+                out = self.objective(**batch, normalizer=normalizer, mtp_normalizer=mtp_normalizer)
+                acc.backward(out[0].loss if isinstance(out, tuple) else out.loss)
             outputs.append(out)
         self._check_frozen()
         grad_norm = acc.clip_grad_norm_(self.objective.parameters(), config.max_grad_norm)
@@ -569,7 +649,8 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-        metrics = metrics_from_vector(acc.reduce(metric_vector(outputs), reduction="sum"))
+        objective = self.unwrapped_objective
+        metrics = objective.metrics_from_vector(acc.reduce(objective.metric_vector(outputs), reduction="sum"))
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
         return metrics
 
@@ -599,12 +680,11 @@ class Trainer:
             samples = [self._sample(dataset, i) for i in indices]
             scores = anchor_scores(self.config.seed, -1 - b, len(samples), self.config.max_length)
             outputs.append(self.objective(**self._prepare_micro_batch(samples, scores)))
-        vector = metric_vector(outputs) if outputs else None
-        if vector is None:  # this process had no eval batch: contribute zeros of the right shape
-            probe = self.draft.config.block_length - self.draft.config.first_predicted_slot
-            vector = torch.zeros(5 + 2 * probe, device=acc.device)
+        objective = self.unwrapped_objective
+        # A process without an eval batch contributes zeros of the right shape.
+        vector = objective.metric_vector(outputs) if outputs else objective.empty_metric_vector(acc.device)
         self.objective.train()
-        return metrics_from_vector(acc.reduce(vector.to(acc.device), reduction="sum"))
+        return objective.metrics_from_vector(acc.reduce(vector.to(acc.device), reduction="sum"))
 
     # ------------------------------------------------------------------------------------------------------------
     # Checkpoints
@@ -620,7 +700,8 @@ class Trainer:
         """Write ``checkpoints/step-N/{state/, model/, trainer_state.json}`` atomically (all processes call this).
 
         ``state/`` is accelerate's (model, optimizer, scheduler, RNG); ``model/`` is a plain `DMTPDraftModel`
-        checkpoint (LoRA merged) loadable with ``DMTPDraftModel.from_pretrained``.
+        checkpoint (LoRA merged) loadable with ``DMTPDraftModel.from_pretrained``; ``mtp_head/`` the trained MTP head
+        (``load_native_mtp(target, checkpoint=...)``) when the head is trained.
         """
         acc = self.accelerator
         final = self.checkpoint_root / f"step-{self.step:08d}"
@@ -633,7 +714,7 @@ class Trainer:
         if acc.is_main_process:
             with atomic_directory(final) as tmp:
                 os.replace(partial, tmp / "state")
-                self._save_draft(tmp / "model", state_dict)
+                self._save_models(tmp / "model", tmp / "mtp_head", state_dict)
                 state = {
                     "step": self.step,
                     "total_steps": self.total_steps,
@@ -646,12 +727,21 @@ class Trainer:
         acc.wait_for_everyone()
         return final
 
-    def _save_draft(self, directory: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
-        unwrapped = self.accelerator.unwrap_model(self.objective).model
+    def _save_models(self, draft_dir: Path, head_dir: Path, state_dict: dict[str, torch.Tensor] | None) -> None:
+        """The draft (when one is trained) and the MTP head (when it is trained), LoRA merged."""
+        if self.config.train_mtp_head != "only":
+            self._save_draft(draft_dir, state_dict)
+        if self.trained_head is not None:
+            save_mtp_head(merged_head(self.trained_head), head_dir, self.target, training_steps=self.step)
+
+    def _save_draft(self, directory: Path, state_dict: dict[str, torch.Tensor] | None) -> None:
+        objective = self.unwrapped_objective
+        joint = isinstance(objective, JointObjective)
+        unwrapped = (objective.draft_objective if joint else objective).model
         if hasattr(unwrapped, "merge_and_unload") or state_dict is None:
             merged_draft(unwrapped).save_pretrained(directory)
             return
-        prefix = "model."
+        prefix = "draft_objective.model." if joint else "model."  # the gathered state dict (FSDP/DeepSpeed shards)
         weights = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
         unwrapped.save_pretrained(directory, state_dict=weights)
 
@@ -670,21 +760,34 @@ class Trainer:
             "train_samples": len(self.train_dataset),
             "train_seconds": self.train_seconds,
             "init_from": config.init_from,
-            "anchor_layout": self.draft.config.anchor_layout,
-            "fusion": self.draft.config.fusion,
+            "train_mtp_head": config.train_mtp_head,
+            "mtp_init_from": config.mtp_init_from,
+            "anchor_layout": None if config.train_mtp_head == "only" else self.draft.config.anchor_layout,
+            "fusion": None if config.train_mtp_head == "only" else self.draft.config.fusion,
             "trainable_parameters": sum(p.numel() for p in self.objective.parameters() if p.requires_grad),
             "last_eval": self.last_eval,
             "config": config.to_dict(),
         }
 
-    def export(self, directory: str | os.PathLike) -> None:
-        """Write the current draft as a plain `DMTPDraftModel` checkpoint (LoRA merged) plus ``training.json``,
-        atomically."""
+    def export(self, directory: str | os.PathLike, head_directory: str | os.PathLike | None = None) -> None:
+        """Write what was trained, each atomically with a ``training.json``: the draft as a plain `DMTPDraftModel`
+        checkpoint (LoRA merged) to ``directory``; the MTP head, when trained, to ``head_directory`` (default:
+        ``<directory>_mtp_head``) as a head checkpoint ``load_native_mtp(target, checkpoint=...)`` reads."""
         state_dict = self.accelerator.get_state_dict(self.objective)
         if self.accelerator.is_main_process:
-            with atomic_directory(directory) as tmp:
-                self._save_draft(tmp, state_dict)
-                (tmp / "training.json").write_text(json.dumps(self.training_record(), indent=2) + "\n")
+            record = json.dumps(self.training_record(), indent=2) + "\n"
+            if self.config.train_mtp_head != "only":
+                with atomic_directory(directory) as tmp:
+                    self._save_draft(tmp, state_dict)
+                    (tmp / "training.json").write_text(record)
+            if self.trained_head is not None:
+                head_directory = Path(head_directory or f"{directory}_mtp_head")
+                with atomic_directory(head_directory) as tmp:
+                    save_mtp_head(merged_head(self.trained_head), tmp / "head", self.target, training_steps=self.step)
+                    for item in (tmp / "head").iterdir():
+                        os.replace(item, tmp / item.name)
+                    (tmp / "head").rmdir()
+                    (tmp / "training.json").write_text(record)
         self.accelerator.wait_for_everyone()
 
     def _prune_checkpoints(self) -> None:
@@ -716,12 +819,16 @@ class Trainer:
 
 
 def _postfix(metrics: dict[str, float]) -> dict[str, str]:
-    accs = [v for k, v in metrics.items() if k.startswith("acc_")]
-    return {
-        "loss": f"{metrics['loss']:.3f}",
-        "acc": "/".join(f"{a:.2f}" for a in accs),
-        "tau_tf": f"{metrics['accept_len_tf']:.2f}",
-    }
+    """The progress bar's summary of a step (draft and/or head metrics)."""
+    shown = {}
+    if "loss" in metrics:
+        shown["loss"] = f"{metrics['loss']:.3f}"
+        shown["acc"] = "/".join(f"{v:.2f}" for k, v in metrics.items() if k.startswith("acc_"))
+        shown["tau_tf"] = f"{metrics['accept_len_tf']:.2f}"
+    if "mtp_loss" in metrics:
+        shown["mtp_loss"] = f"{metrics['mtp_loss']:.3f}"
+        shown["mtp_acc"] = f"{metrics['mtp_acc']:.3f}"
+    return shown
 
 
 # ----------------------------------------------------------------------------------------------------

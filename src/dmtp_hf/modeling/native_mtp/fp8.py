@@ -20,6 +20,7 @@ __all__ = [
     "dequantize_block_fp8",
     "dequantize_fp8_state_dict",
     "fp8_block_size",
+    "quantize_block_fp8",
 ]
 
 FP8_DTYPES = tuple(
@@ -103,3 +104,22 @@ def dequantize_fp8_state_dict(
     for name in fp8_weights:
         result[name] = dequantize_block_fp8(tensors[name], tensors[name + SCALE_SUFFIX], block_size)
     return result
+
+
+def quantize_block_fp8(
+    weight: torch.Tensor, block_size: Sequence[int], dtype: torch.dtype = torch.float8_e4m3fn
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-scaled FP8 quantization as the DeepSeek FP8 releases store it: ``(fp8 weight, scale_inv)``.
+
+    The inverse of `dequantize_block_fp8`: each ``rows x cols`` block is scaled so its largest magnitude maps to the
+    format's maximum. ``weight`` is ``[..., out, in]``; ``scale_inv`` is ``[..., ceil(out / rows), ceil(in / cols)]``.
+    """
+    rows, cols = int(block_size[0]), int(block_size[1])
+    *lead, out_features, in_features = weight.shape
+    blocks_r, blocks_c = -(-out_features // rows), -(-in_features // cols)
+    padded = weight.new_zeros(*lead, blocks_r * rows, blocks_c * cols, dtype=torch.float32)
+    padded[..., :out_features, :in_features] = weight.float()
+    tiles = padded.view(*lead, blocks_r, rows, blocks_c, cols)
+    scale = tiles.abs().amax(dim=(-3, -1)).clamp(min=1e-12) / torch.finfo(dtype).max  # [..., br, bc]
+    quantized = (tiles / scale[..., :, None, :, None]).view_as(padded)[..., :out_features, :in_features]
+    return quantized.to(dtype).contiguous(), scale.contiguous()

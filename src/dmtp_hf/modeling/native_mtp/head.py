@@ -72,6 +72,8 @@ class NativeMTPHead(nn.Module):
         decoder = target.get_decoder()
         self.layout = layout
         self.hidden_input = hidden_input
+        # Where this target keeps the head's tensors (DeepSeek/GLM put it after the last trunk layer).
+        self.checkpoint_prefix = layout.checkpoint_prefix(text_config)
         self.hidden_first = layout.hidden_first
         self.config = build_mtp_layer_config(text_config, layout)
 

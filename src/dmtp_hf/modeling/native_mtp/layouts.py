@@ -142,6 +142,10 @@ def resolve_mtp_layout(*configs: PreTrainedConfig | Mapping[str, Any] | None) ->
     def get(config, key):
         return config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
 
+    for config in configs:  # a standalone head checkpoint (`save_mtp_head`) names its layout
+        named = (get(config, "dmtp_mtp_head") or {}).get("layout")
+        if named is not None:
+            return get_mtp_layout(named)
     by_architecture = {arch: layout for layout in _MTP_LAYOUTS.values() for arch in layout.architectures}
     for config in configs:
         for architecture in get(config, "architectures") or ():
@@ -267,4 +271,10 @@ register_mtp_layout(
         num_layers_keys=("num_nextn_predict_layers",),
         architectures=("MiMoForCausalLM",),
     ),
+)
+# Retrofitted heads: a new MTP head trained for a target that ships none (any decoder-only family, e.g. Llama),
+# stored standalone (`export.save_mtp_head`) under Qwen-style names. Selected by the head checkpoint's config.
+register_mtp_layout(
+    "retrofit",
+    MTPLayout(name="retrofit", prefix="mtp.", tensor_names=_QWEN_MTP_NAMES, block_prefix="layers.0."),
 )
