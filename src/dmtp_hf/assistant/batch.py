@@ -54,9 +54,15 @@ class ActiveBatch:
         self.prompt_lengths = prompt_lengths  # [B] real prompt tokens
         self.anchor_positions = prompt_lengths.clone()  # [B] position of A, the last emitted token
         self.prefix = prefix  # [B, L] committed tokens, right-aligned; last column = A
-        self.lengths_host = [n + 1 for n in prompt_lengths.tolist()]  # committed tokens per active row
+        self.prompt_lengths_host = prompt_lengths.tolist()
+        self.generated_host = [1] * batch  # generated tokens per active row
         self.finished = self.num_generated >= budget
         self.finished_host = [budget <= 1] * batch
+
+    @property
+    def longest(self) -> int:
+        """The most committed tokens (prompt included) of any active row: the width of ``prefix``."""
+        return max(p + n for p, n in zip(self.prompt_lengths_host, self.generated_host, strict=True))
 
     @property
     def done(self) -> bool:
@@ -86,8 +92,8 @@ class ActiveBatch:
         self.tokens[self.rows] = self.tokens[self.rows].scatter(1, columns, new_tokens)
         self.num_generated = self.num_generated + counts
         self.num_generated_all[self.rows] = self.num_generated
-        self.lengths_host = [n + c for n, c in zip(self.lengths_host, counts_host, strict=True)]
-        self.prefix = append_right_aligned(self.prefix, new_tokens, counts, max(self.lengths_host), self.pad)
+        self.generated_host = [n + c for n, c in zip(self.generated_host, counts_host, strict=True)]
+        self.prefix = append_right_aligned(self.prefix, new_tokens, counts, self.longest, self.pad)
         return counts_host, accepted_host
 
     def keep(self, keep: torch.Tensor, keep_host: list[int]) -> None:
@@ -95,9 +101,10 @@ class ActiveBatch:
         self.rows, self.num_generated, self.finished = self.rows[keep], self.num_generated[keep], self.finished[keep]
         self.rows_host = [self.rows_host[i] for i in keep_host]
         self.finished_host = [self.finished_host[i] for i in keep_host]
-        self.lengths_host = [self.lengths_host[i] for i in keep_host]
+        self.prompt_lengths_host = [self.prompt_lengths_host[i] for i in keep_host]
+        self.generated_host = [self.generated_host[i] for i in keep_host]
         self.prompt_lengths, self.anchor_positions = self.prompt_lengths[keep], self.anchor_positions[keep]
-        self.prefix = self.prefix[keep][:, self.prefix.shape[1] - max(self.lengths_host) :]
+        self.prefix = self.prefix[keep][:, self.prefix.shape[1] - self.longest :]
 
     def sequences(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[B0, P + longest generation]``: prompts, generated tokens, then padding (as ``generate`` returns)."""

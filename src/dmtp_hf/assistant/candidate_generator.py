@@ -33,6 +33,7 @@ class DMTPCandidateGenerator(CandidateGenerator):
 
     def __init__(self, target, drafter: Drafter, logits_processor, generation_config) -> None:
         self.drafter = drafter
+        drafter.reserve(generation_config.max_length + 1)  # fixed-slot state is sized for the whole call
         self.do_sample = bool(generation_config.do_sample)
         self.select = TokenSelector(logits_processor, self.do_sample)
         self.hidden_indices = [i + 1 for i in drafter.target_layer_ids()] if drafter.needs_features else []

@@ -28,11 +28,12 @@ from transformers.cache_utils import Cache, DynamicCache
 from ..modeling.native_mtp.hidden import TargetHiddenExtractor
 from .batch import Accepted, ActiveBatch
 from .drafters import Drafter, TokenSelector
+from .processing import RowProcessors
 from .stats import RequestStats, SpecStats
 from .stopping import RowStopping
 from .target_cache import TargetCacheState, static_capacity
 from .target_step import TargetStep
-from .verification import VERIFY_MODES, process_block, process_logits, select_tokens, verify
+from .verification import VERIFY_MODES, process_logits, select_tokens, verify
 
 
 class TargetRunner:
@@ -75,30 +76,35 @@ class TargetRunner:
             self.mtp_extractor.remove()
 
 
-def accept(verdict, candidates: torch.Tensor, batch: ActiveBatch, stopping: RowStopping) -> Accepted:
-    """The tokens of one round per row, clipped where plain ``generate`` would stop."""
+def accept(verdict, candidates: torch.Tensor, scores: torch.Tensor, batch: ActiveBatch, stopping: RowStopping):
+    """The tokens of one round per row (an :class:`Accepted`), clipped where plain ``generate`` would stop.
+
+    ``scores`` ``[B, K+1, V]``: the target's processed scores of the round's positions (stopping criteria read them).
+    """
     accepted = verdict.num_accepted  # [B]
     new_tokens = torch.cat([candidates, candidates[:, :1]], dim=1).scatter(1, accepted[:, None], verdict.bonus[:, None])
     counts = torch.minimum(accepted + 1, batch.budget - batch.num_generated)
-    counts, stop = stopping.clip(batch, new_tokens, counts)
     counts = torch.where(batch.finished, torch.zeros_like(counts), counts)
+    counts, stop = stopping.clip(batch, new_tokens, counts, scores)
     stop = (stop | (batch.num_generated + counts >= batch.budget)) & ~batch.finished
     return Accepted(new_tokens, counts, accepted, stop)
 
 
-def prefill(runner: TargetRunner, input_ids, attention_mask, budget: int, pad: int, logits_processor, do_sample):
-    """The target over the prompt and the first generated token: ``(batch, cache_state, drafter_start_step)``."""
+def prefill(runner: TargetRunner, input_ids, attention_mask, max_length: int, pad: int, logits_processor, do_sample):
+    """The target over the prompt and the first generated token: ``(batch, prompt_mask, drafter start step, scores of
+    the first token)``."""
     prompt_mask = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
     positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)  # per-row positions under left padding
     padded = not bool(prompt_mask.all())
     logits, features, mtp_hidden = runner.forward(
         input_ids, positions, attention_mask if padded else None, logits_to_keep=1
     )
-    first = select_tokens(process_logits(logits[:, -1], input_ids, logits_processor), do_sample)
+    scores = process_logits(logits[:, -1], input_ids, logits_processor)  # the prompt is the processors' exact input
+    first = select_tokens(scores, do_sample)
     prefix = torch.cat([input_ids, first[:, None]], dim=1)  # committed tokens, right-aligned; last = A
-    batch = ActiveBatch(first, prompt_mask.sum(-1), prefix, budget, pad)
+    batch = ActiveBatch(first, prompt_mask.sum(-1), prefix, max_length - input_ids.shape[1], pad)
     step = TargetStep(positions, prefix[:, 1:], prompt_mask if padded else None, mtp_hidden, features)
-    return batch, prompt_mask, step
+    return batch, prompt_mask, step, scores
 
 
 def record(requests: list[RequestStats], accepted_host: list[int], counts_host: list[int]) -> None:
@@ -110,10 +116,23 @@ def record(requests: list[RequestStats], accepted_host: list[int], counts_host: 
             request.round_tokens += count
 
 
-def check_inputs(mode: str, do_sample: bool, input_ids: torch.Tensor, streamer) -> None:
-    """Raise ``ValueError`` for an unknown mode, one that does not fit ``do_sample``, or streaming a batch."""
+def check_inputs(target, mode: str, do_sample: bool, input_ids: torch.Tensor, attention_mask, streamer) -> None:
+    """Refuse, before any forward, what the engine cannot do losslessly: unknown or mismatched verification modes,
+    right-padded batches, ragged batches on a flash-attention-2 target, streaming a batch."""
     if streamer is not None and input_ids.shape[0] > 1:
         raise ValueError("Streaming supports batch size 1 only (as in Transformers).")
+    if attention_mask is not None and not bool(attention_mask[:, -1].all()):
+        raise ValueError(
+            "The batch is right-padded (attention_mask ends with 0 in some row): speculative decoding continues "
+            "every row from its last token, so pad on the left (tokenizer.padding_side = 'left')."
+        )
+    implementation = getattr(target.config, "_attn_implementation", None) or ""
+    if "flash" in implementation and input_ids.shape[0] > 1:
+        raise NotImplementedError(
+            f"{type(target).__name__} runs attn_implementation={implementation!r}, which cannot take the per-row "
+            "attention masks of a batch whose rows accept different numbers of tokens. Load the target with "
+            "attn_implementation='sdpa' for batches, or decode one unpadded row at a time."
+        )
     if mode not in VERIFY_MODES:
         raise ValueError(f"Unknown verification mode {mode!r}; expected one of {VERIFY_MODES}.")
     if mode != "greedy" and not do_sample:
@@ -166,21 +185,22 @@ def speculative_decode(
     ``rebuild`` or ``replay``; ``profile``: synchronised stage times; ``on_round(cache, prefix)`` after each commit.
     """
     mode = verify_mode or ("rejection" if do_sample else "greedy")
-    check_inputs(mode, do_sample, input_ids, streamer)
+    check_inputs(target, mode, do_sample, input_ids, attention_mask, streamer)
     cache = cache if cache is not None else DynamicCache(config=target.config)
     check_cache(cache, input_ids.shape[0], max_length, drafter.num_candidates)
     stats = stats if stats is not None else SpecStats(drafter.num_candidates, drafter.name)
-    stats.sync_device = input_ids.device if profile else None
-    requests = [stats.new_request() for _ in range(input_ids.shape[0])]
+    stats.sync_device, requests = input_ids.device if profile else None, [stats.new_request() for _ in input_ids]
     select = TokenSelector(logits_processor, mode == "rejection" if draft_sampling is None else draft_sampling)
+    processors = RowProcessors(logits_processor, input_ids)  # each row's inputs exactly as plain generate's
     stopping = RowStopping(input_ids, stopping_criteria, eos_token_id, pad_token_id)
     runner, state = TargetRunner(target, drafter, cache), None
     try:
         with stats.stage("prefill"):
-            batch, prompt_mask, step = prefill(runner, input_ids, attention_mask, max_length - input_ids.shape[1],
-                                               stopping.pad, logits_processor, do_sample)  # fmt: skip
+            batch, prompt_mask, step, scores = prefill(runner, input_ids, attention_mask, max_length, stopping.pad,
+                                                       logits_processor, do_sample)  # fmt: skip
             state = TargetCacheState(target, cache, prompt_mask, rollback, runner.replay)
-        batch.stop(stopping.after_prefill(batch))
+        batch.stop(stopping.after_prefill(batch, scores))
+        select.for_batch(processors, batch)
         if streamer is not None:
             streamer.put(input_ids.cpu()), streamer.put(batch.prefix[:, -1].cpu())
         if not batch.done:
@@ -197,10 +217,10 @@ def speculative_decode(
                 with state.verifying(verify_ids, verify_positions):
                     mask = state.attention_mask(verify_ids.shape[1], target.dtype)
                     logits, features, mtp_hidden = runner.forward(verify_ids, verify_positions, mask)
-                scores = process_block(logits, batch.prefix, candidates, logits_processor)
+                scores = processors.block(logits, batch, candidates)
                 # 3. Accept the longest valid prefix, plus one bonus/correction token per row.
                 verdict = verify(mode, candidates, scores, proposal.scores, select.do_sample)
-                round_ = accept(verdict, candidates, batch, stopping)
+                round_ = accept(verdict, candidates, scores, batch, stopping)
             # 4. Commit the tokens, then the target cache: A and the kept candidates become history.
             counts_host, accepted_host = batch.commit(round_)
             with stats.stage("rollback"):
@@ -209,8 +229,6 @@ def speculative_decode(
             stream(streamer, round_.new_tokens[:, : counts_host[0]])
             if on_round is not None:
                 on_round(cache, batch.prefix)
-            if stopping.criteria:  # stop strings, custom criteria (one more sync, only when there are any)
-                batch.stop(stopping.after_commit(batch))
             kept = torch.arange(verify_ids.shape[1], device=verify_ids.device)[None] < round_.counts[:, None]
             step = TargetStep(verify_positions, round_.new_tokens, kept, mtp_hidden, features)
             if any(batch.finished_host) and not batch.done:

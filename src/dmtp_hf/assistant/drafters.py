@@ -19,12 +19,12 @@ from transformers import LogitsProcessorList
 
 from ..modeling.modeling_dmtp import DMTPDraftModel
 from ..modeling.native_mtp.head import NativeMTPHead
+from .batch import ActiveBatch
 from .drafter_state import DFlashContext, MTPCache, MTPSlots, SlotDFlashContext
+from .processing import RowProcessors
 from .stats import SpecStats
 from .target_step import TargetStep
 from .verification import process_logits, select_tokens
-
-DEFAULT_CAPACITY = 4096  # fixed-slot capacity per row when the decoding loop did not call `reserve`
 
 
 def _stage(stats: SpecStats | None, name: str):
@@ -42,23 +42,43 @@ class Proposal:
 class TokenSelector:
     """Turns draft logits into candidates with the generation's logits processors, exactly as the target will.
 
-    ``do_sample=False`` takes the argmax (greedy and ``match`` verification); ``True`` samples (``rejection``).
+    ``do_sample=False`` takes the argmax (greedy and ``match`` verification); ``True`` samples (``rejection``). In
+    the engine the processors see each row's ``input_ids`` exactly as plain batched ``generate`` would
+    (`processing.RowProcessors`, attached with :meth:`for_batch`); elsewhere (Transformers' own assisted loop, one
+    unpadded row) the committed ``prefix`` followed by the round's chosen tokens is that input.
     """
 
     def __init__(self, logits_processor: LogitsProcessorList | None, do_sample: bool) -> None:
         self.logits_processor = logits_processor
         self.do_sample = do_sample
+        self.rows: RowProcessors | None = None
+        self.batch: ActiveBatch | None = None
 
-    def __call__(self, logits: torch.Tensor, prefix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``logits`` ``[B, K, V]`` of K consecutive positions after ``prefix`` -> tokens ``[B, K]``, scores."""
+    def for_batch(self, rows: RowProcessors, batch: ActiveBatch) -> TokenSelector:
+        """Process with exact per-row inputs for the rows of ``batch`` (the decoding loop's)."""
+        self.rows, self.batch = rows, batch
+        return self
+
+    def __call__(
+        self, logits: torch.Tensor, prefix: torch.Tensor, chosen: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``logits`` ``[B, K, V]`` of K consecutive positions -> tokens ``[B, K]``, processed scores ``[B, K, V]``.
+
+        The positions follow the committed tokens (``prefix``, right-aligned) and the round's already ``chosen``
+        tokens ``[B, j]``; slot i also sees the i tokens chosen before it in this call.
+        """
         if not self.logits_processor:
             scores = logits.float()
             return select_tokens(scores, self.do_sample), scores
-        # Processors may depend on the prefix (e.g. repetition penalty): slot i sees the i tokens chosen before it.
         tokens, scores = [], []
+        before = [chosen] if chosen is not None else []
         for i in range(logits.shape[1]):
-            seen = torch.cat([prefix, *[t[:, None] for t in tokens]], dim=1)
-            step = process_logits(logits[:, i], seen, self.logits_processor)
+            extra = torch.cat([*before, *[t[:, None] for t in tokens]], dim=1) if before or tokens else None
+            if self.rows is not None:
+                step = self.rows(logits[:, i], self.batch, extra)
+            else:
+                seen = prefix if extra is None else torch.cat([prefix, extra], dim=1)
+                step = process_logits(logits[:, i], seen, self.logits_processor)
             tokens.append(select_tokens(step, self.do_sample))
             scores.append(step)
         return torch.stack(tokens, dim=1), torch.stack(scores, dim=1)
@@ -160,13 +180,26 @@ class _StatefulDrafter(Drafter):
     def __init__(self, fixed_slots: bool, cuda_graphs: bool) -> None:
         self.fixed_slots = fixed_slots
         self.cuda_graphs = cuda_graphs
-        self.capacity = DEFAULT_CAPACITY
+        self.capacity: int | None = None  # fixed slots per row, set by `reserve`
         self.mtp: MTPCache | MTPSlots | None = None
         self.context: DFlashContext | SlotDFlashContext | None = None
 
     def reserve(self, max_positions: int) -> None:
         """Size fixed slots for sequences of up to ``max_positions`` tokens (plus one verify's candidates)."""
         self.capacity = max_positions + self.num_candidates + 1
+
+    def _check_capacity(self, step: TargetStep) -> None:
+        """Fixed slots: refuse, before any write, a prompt the reserved capacity cannot hold with one verify."""
+        if not self.fixed_slots:
+            return
+        if self.capacity is None:
+            raise ValueError("Fixed-slot drafter state needs its capacity first: call reserve(max_positions).")
+        needed = step.positions.shape[1] + self.num_candidates + 1
+        if needed > self.capacity:
+            raise ValueError(
+                f"The prompt ({step.positions.shape[1]} positions) and one verify need {needed} fixed slots per row, "
+                f"more than the {self.capacity} reserved: reserve() the longest sequence of the call."
+            )
 
     def _new_mtp_state(self, head: NativeMTPHead) -> MTPCache | MTPSlots:
         return MTPSlots(head, self.capacity, self.cuda_graphs) if self.fixed_slots else MTPCache(head)
@@ -204,6 +237,7 @@ class DFlashDrafter(_StatefulDrafter):
 
     def start(self, step: TargetStep) -> None:
         """Fresh context holding the prompt features."""
+        self._check_capacity(step)
         self.context = self._new_context(self.draft)
         self.context.start(step)
 
@@ -239,6 +273,7 @@ class MTPDrafter(_StatefulDrafter):
 
     def start(self, step: TargetStep) -> None:
         """Prefill the MTP state over all prompt pairs."""
+        self._check_capacity(step)
         self.mtp = self._new_mtp_state(self.head)
         with torch.no_grad():
             self.mtp.prefill(step)
@@ -251,8 +286,7 @@ class MTPDrafter(_StatefulDrafter):
         scores: list[torch.Tensor] = []
 
         def select_step(logits: torch.Tensor) -> torch.Tensor:
-            seen = torch.cat([prefix, *[t[:, None] for t in chosen]], dim=1)
-            token, score = select(logits[:, None], seen)
+            token, score = select(logits[:, None], prefix, torch.stack(chosen, dim=1) if chosen else None)
             chosen.append(token[:, 0])
             scores.append(score[:, 0])
             return token[:, 0]
@@ -296,6 +330,7 @@ class DMTPDrafter(_StatefulDrafter):
 
     def start(self, step: TargetStep) -> None:
         """Prefill the MTP state over the prompt pairs and queue the prompt features for DFlash."""
+        self._check_capacity(step)
         self.mtp = self._new_mtp_state(self.head)
         self.context = self._new_context(self.draft)
         self.context.start(step)
@@ -312,7 +347,7 @@ class DMTPDrafter(_StatefulDrafter):
             block = self.draft.block_embeddings(prefix[:, -1], t1[:, 0], mtp_hidden)
         with stats.stage("dflash"):
             logits = self.context.candidate_logits(block, anchor_positions)
-            rest, rest_scores = select(logits, torch.cat([prefix, t1], dim=1))
+            rest, rest_scores = select(logits, prefix, chosen=t1)
         return Proposal(torch.cat([t1, rest], dim=1), torch.cat([t1_scores, rest_scores], dim=1))
 
     def advance(self, step: TargetStep, stats: SpecStats | None = None) -> None:

@@ -7,10 +7,12 @@ top-k/p, ...), stopping criteria, ``max_new_tokens`` and EOS handling stay Trans
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers import StoppingCriteriaList, StopStringCriteria
 from transformers.cache_utils import StaticCache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
@@ -58,6 +60,30 @@ def as_drafter(
     if strategy == "dmtp":
         return DMTPDrafter(assistant, assistant.native_mtp, **backend)
     raise ValueError(f"Unknown drafting strategy {strategy!r}; expected 'dmtp', 'dflash' or 'mtp'.")
+
+
+def route_kwargs(target, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``generate`` keyword arguments for the ``custom_generate`` hook, with stop strings made into a criterion.
+
+    Transformers drops ``tokenizer`` before it calls a ``custom_generate`` callable yet still builds the stop-string
+    criterion, which needs it; so stop strings (argument or generation config) become a ``StopStringCriteria`` here,
+    built with the caller's tokenizer, and are removed from what ``generate`` sees.
+    """
+    kwargs = dict(kwargs)
+    tokenizer = kwargs.pop("tokenizer", None)
+    config = kwargs.get("generation_config") or target.generation_config
+    stop_strings = kwargs.pop("stop_strings", None) or getattr(config, "stop_strings", None)
+    if not stop_strings:
+        return kwargs
+    if tokenizer is None:
+        raise ValueError("stop_strings need the model's tokenizer: pass `tokenizer=` to generate.")
+    if getattr(config, "stop_strings", None):
+        kwargs["generation_config"] = copy.deepcopy(config)
+        kwargs["generation_config"].stop_strings = None
+    criteria = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
+    criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
+    kwargs["stopping_criteria"] = criteria
+    return kwargs
 
 
 def dmtp_custom_generate(
@@ -141,5 +167,5 @@ def generate(
         dmtp_verify_mode=verify_mode,
         dmtp_draft_sampling=draft_sampling,
         dmtp_profile=profile,
-        **generate_kwargs,
+        **route_kwargs(target, generate_kwargs),
     )

@@ -1,4 +1,4 @@
-"""Where each row stops: EOS, the token budget, and the generation's stopping criteria."""
+"""Where each row stops, exactly where plain ``generate`` stops it: EOS, the token budget, the stopping criteria."""
 
 from __future__ import annotations
 
@@ -7,13 +7,16 @@ from transformers import StoppingCriteriaList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from .batch import ActiveBatch
+from .processing import RowCriteria
 
 
 class RowStopping:
-    """EOS clipping of each round's tokens, plus the generation's other stopping criteria.
+    """Clips each round's tokens where plain ``generate`` would stop the row.
 
-    EOS and length are enforced per row directly (a round's tokens are clipped after the first EOS); the remaining
-    criteria (stop strings, custom ones) see the committed tokens.
+    EOS and the token budget are enforced on the device (a round's tokens are clipped after the first EOS). The
+    other criteria (stop strings, custom ones) are evaluated after every committed token, on exactly the
+    ``input_ids`` and processed ``scores`` plain ``generate`` would pass them (``processing.RowCriteria``); that
+    costs a host synchronisation per round, only when there are such criteria.
     """
 
     def __init__(
@@ -27,36 +30,37 @@ class RowStopping:
         self.eos = eos if eos is not None and eos.numel() else None
         # Finished rows are filled with the pad token (default: the first EOS token, else 0), as in `generate`.
         self.pad = pad_token_id if pad_token_id is not None else (int(self.eos[0]) if self.eos is not None else 0)
-        self.criteria = StoppingCriteriaList(
-            [c for c in (criteria or []) if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
-        )
+        others = [c for c in (criteria or []) if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
+        self.criteria = RowCriteria(StoppingCriteriaList(others), input_ids)
 
-    def after_prefill(self, batch: ActiveBatch) -> torch.Tensor:
-        """``[B]`` rows that end with the first generated token."""
+    def after_prefill(self, batch: ActiveBatch, scores: torch.Tensor) -> torch.Tensor:
+        """``[B]`` rows that end with the first generated token (``scores [B, V]``: its processed scores)."""
         first = batch.prefix[:, -1]
         stop = batch.num_generated >= batch.budget
         if self.eos is not None:
-            stop |= torch.isin(first, self.eos)
-        if len(self.criteria):
-            stop |= self.criteria(batch.prefix, None)
+            stop = stop | torch.isin(first, self.eos)
+        if self.criteria:
+            at = self.criteria.stop_at(batch, first[:, None], [1] * first.shape[0], scores[:, None], committed=0)
+            stop = stop | torch.tensor([j is not None for j in at], device=stop.device)
         return stop
 
     def clip(
-        self, batch: ActiveBatch, new_tokens: torch.Tensor, counts: torch.Tensor
+        self, batch: ActiveBatch, new_tokens: torch.Tensor, counts: torch.Tensor, scores: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``counts`` clipped after each row's first EOS among its kept tokens, and ``[B]`` rows that stop."""
-        if self.eos is None:
-            return counts, torch.zeros_like(counts, dtype=torch.bool)
-        steps = torch.arange(new_tokens.shape[1], device=new_tokens.device)
-        is_eos = torch.isin(new_tokens, self.eos) & (steps[None] < counts[:, None])
-        hit = is_eos.any(-1)
-        return torch.where(hit, is_eos.float().argmax(-1) + 1, counts), hit
+        """``counts`` clipped after each row's first stopping token among its kept tokens, and ``[B]`` rows that stop.
 
-    def after_commit(self, batch: ActiveBatch) -> torch.Tensor:
-        """``[B]`` rows the other criteria stop, given the committed tokens."""
-        if not len(self.criteria):
-            return torch.zeros_like(batch.finished)
-        return self.criteria(batch.prefix, None)
-
-    def select_rows(self, rows: torch.Tensor) -> None:
-        """Rows left the batch (nothing per row is kept here)."""
+        ``new_tokens``/``scores``: ``[B, K+1]`` tokens of the round and ``[B, K+1, V]`` their processed scores.
+        """
+        stop = torch.zeros_like(counts, dtype=torch.bool)
+        if self.eos is not None:
+            steps = torch.arange(new_tokens.shape[1], device=new_tokens.device)
+            is_eos = torch.isin(new_tokens, self.eos) & (steps[None] < counts[:, None])
+            stop = is_eos.any(-1)
+            counts = torch.where(stop, is_eos.float().argmax(-1) + 1, counts)
+        if self.criteria:
+            at = self.criteria.stop_at(batch, new_tokens, counts.tolist(), scores)
+            hit = torch.tensor([j is not None for j in at], device=counts.device)
+            first = torch.tensor([j if j is not None else 0 for j in at], device=counts.device)
+            counts = torch.where(hit, first + 1, counts)
+            stop = stop | hit
+        return counts, stop

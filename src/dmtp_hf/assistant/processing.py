@@ -1,0 +1,167 @@
+"""Logits processors and stopping criteria, called exactly as plain batched ``generate`` calls them.
+
+Plain ``generate`` advances every row of a batch one token at a time, so at each step a processor sees a
+``[B, P + n]`` ``input_ids``: each row's left-padded prompt followed by its n generated tokens. In speculative
+decoding rows commit different numbers of tokens per round (ragged acceptance) and evaluate K + 1 positions at once,
+so :class:`RowProcessors` rebuilds, for every row and position, exactly that row's ``input_ids`` (its padded prompt,
+its committed tokens, then the round's tentative tokens before the position) and calls the processors once per
+group of rows of equal length.
+
+A call covers a subset of the caller's rows. Transformers' processors are pure functions of their rows, and those
+that hold per-row tensors (``RepetitionPenaltyLogitsProcessor``'s ``prompt_ignore_length``) see them sliced to the
+same rows for the call. Processors this module cannot vouch for (user-supplied ones, and Transformers' row-indexed
+``PrefixConstrainedLogitsProcessor``) are called on the whole original batch instead, every other row filled with
+its own tokens up to the same length, and only the group's rows of the result are used: rows never leave their
+batch as far as such a processor can tell.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+
+import torch
+from transformers import LogitsProcessorList, StoppingCriteriaList
+from transformers.generation.logits_process import PrefixConstrainedLogitsProcessor
+
+from .batch import ActiveBatch
+
+
+def _sliceable(function: object) -> bool:
+    """Transformers' own processors and criteria are pure functions of their rows (the row-indexed one aside)."""
+    module = type(function).__module__
+    return module.startswith("transformers.generation.") and not isinstance(function, PrefixConstrainedLogitsProcessor)
+
+
+@contextlib.contextmanager
+def _rows_of(functions: Sequence[object], rows: torch.Tensor, batch_size: int) -> Iterator[None]:
+    """Within the block, every per-row tensor attribute (first dimension = the caller's batch) holds only ``rows``."""
+    saved = []
+    for function in functions:
+        for name, value in vars(function).items():
+            if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == batch_size > 1:
+                saved.append((function, name, value))
+                setattr(function, name, value.index_select(0, rows.to(value.device)))
+    try:
+        yield
+    finally:
+        for function, name, value in saved:
+            setattr(function, name, value)
+
+
+class RowInputs:
+    """The ``input_ids`` plain batched ``generate`` would show for rows of an :class:`ActiveBatch`.
+
+    Row r (a caller's row) at a position after its n committed tokens and the round's tentative ``extra`` tokens:
+    ``[prompt[r] (left-padded, width P), tokens[r, :n], extra]``.
+    """
+
+    def __init__(self, prompt: torch.Tensor) -> None:
+        self.prompt = prompt  # [B0, P] as the caller passed it (its own left padding)
+
+    def groups(
+        self, batch: ActiveBatch, members: Sequence[int] | None = None, committed: int | None = None
+    ) -> dict[int, list[int]]:
+        """Active rows (``members``, default all) grouped by their committed token count (host values), or all
+        with ``committed`` tokens when given."""
+        grouped: dict[int, list[int]] = defaultdict(list)
+        for row in range(len(batch.generated_host)) if members is None else members:
+            grouped[batch.generated_host[row] if committed is None else committed].append(row)
+        return grouped
+
+    def build(self, batch: ActiveBatch, rows: torch.Tensor, committed: int, extra: torch.Tensor | None):
+        """``[g, P + committed + j]``: inputs of active ``rows`` (each ``committed`` tokens), then ``extra [g, j]``."""
+        original = batch.rows.index_select(0, rows)
+        parts = [self.prompt.index_select(0, original), batch.tokens.index_select(0, original)[:, :committed]]
+        if extra is not None and extra.shape[1]:
+            parts.append(extra)
+        return torch.cat(parts, dim=1), original
+
+    def full_batch(self, batch: ActiveBatch, rows_input: torch.Tensor, original: torch.Tensor) -> torch.Tensor:
+        """``[B0, L]``: ``rows_input`` at its caller rows, every other caller row its own tokens up to length L."""
+        length = rows_input.shape[1]
+        every = torch.cat([self.prompt, batch.tokens], dim=1)[:, :length]
+        return every.index_copy(0, original, rows_input)
+
+
+class RowProcessors:
+    """The generation's logits processors applied per row exactly as plain batched ``generate`` (module docstring)."""
+
+    def __init__(self, processors: LogitsProcessorList | None, prompt: torch.Tensor) -> None:
+        self.processors = processors or LogitsProcessorList()
+        self.inputs = RowInputs(prompt)
+        self.sliced = all(_sliceable(p) for p in self.processors)
+
+    def __bool__(self) -> bool:
+        return len(self.processors) > 0
+
+    def __call__(self, logits: torch.Tensor, batch: ActiveBatch, extra: torch.Tensor | None = None) -> torch.Tensor:
+        """Processed scores ``[B, V]`` (float32) of one position per active row, after ``extra [B, j]`` tokens."""
+        scores = logits.float()
+        if not self:
+            return scores
+        out = torch.empty_like(scores)
+        for committed, members in self.inputs.groups(batch).items():
+            rows = torch.tensor(members, device=scores.device)
+            rows_extra = None if extra is None else extra.index_select(0, rows)
+            ids, original = self.inputs.build(batch, rows, committed, rows_extra)
+            out[rows] = self._apply(batch, ids, scores.index_select(0, rows), original)
+        return out
+
+    def _apply(self, batch: ActiveBatch, ids: torch.Tensor, scores: torch.Tensor, original: torch.Tensor):
+        batch_size = self.inputs.prompt.shape[0]
+        if self.sliced:
+            with _rows_of(self.processors, original, batch_size):
+                return self.processors(ids, scores)
+        full_scores = scores.new_zeros(batch_size, scores.shape[-1]).index_copy(0, original, scores)
+        processed = self.processors(self.inputs.full_batch(batch, ids, original), full_scores)
+        return processed.index_select(0, original)
+
+    def block(self, logits: torch.Tensor, batch: ActiveBatch, tokens: torch.Tensor) -> torch.Tensor:
+        """``[B, K+1, V]`` scores of K + 1 consecutive positions; position i comes after ``tokens[:, :i]``."""
+        if not self:
+            return logits.float()
+        return torch.stack([self(logits[:, i], batch, tokens[:, :i]) for i in range(logits.shape[1])], dim=1)
+
+
+class RowCriteria:
+    """The generation's stopping criteria (besides EOS and length), evaluated after every committed token."""
+
+    def __init__(self, criteria: StoppingCriteriaList, prompt: torch.Tensor) -> None:
+        self.criteria = criteria
+        self.inputs = RowInputs(prompt)
+        self.sliced = all(_sliceable(c) for c in criteria)
+
+    def __bool__(self) -> bool:
+        return len(self.criteria) > 0
+
+    def stop_at(
+        self,
+        batch: ActiveBatch,
+        tokens: torch.Tensor,
+        counts: list[int],
+        scores: torch.Tensor,
+        committed: int | None = None,
+    ) -> list[int | None]:
+        """For each active row, the index of the first of its ``counts[b]`` new ``tokens`` after which a criterion
+        stops the row (``None``: none does). ``scores [B, K+1, V]`` are the processed scores of those positions;
+        the new tokens follow each row's committed ones (``committed``: that many for every row instead)."""
+        first: list[int | None] = [None] * len(counts)
+        batch_size = self.inputs.prompt.shape[0]
+        for j in range(max(counts, default=0)):
+            pending = [b for b, c in enumerate(counts) if c > j and first[b] is None]
+            for done, members in self.inputs.groups(batch, pending, committed).items():
+                rows = torch.tensor(members, device=tokens.device)
+                ids, original = self.inputs.build(batch, rows, done, tokens.index_select(0, rows)[:, : j + 1])
+                row_scores = scores.index_select(0, rows)[:, j]
+                if self.sliced:
+                    with _rows_of(self.criteria, original, batch_size):
+                        stop = self.criteria(ids, row_scores)
+                else:
+                    full = row_scores.new_zeros(batch_size, row_scores.shape[-1]).index_copy(0, original, row_scores)
+                    stop = self.criteria(self.inputs.full_batch(batch, ids, original), full).index_select(0, original)
+                for member, stopped in zip(members, stop.tolist(), strict=True):
+                    if stopped:
+                        first[member] = j
+        return first
