@@ -108,4 +108,5 @@ class ActiveBatch:
 
     def sequences(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[B0, P + longest generation]``: prompts, generated tokens, then padding (as ``generate`` returns)."""
-        return torch.cat([input_ids, self.tokens[:, : int(self.num_generated_all.max())]], dim=1)
+        longest = min(int(self.num_generated_all.max()), self.budget)  # the budget may end the batch early
+        return torch.cat([input_ids, self.tokens[:, :longest]], dim=1)

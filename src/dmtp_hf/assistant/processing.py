@@ -7,12 +7,12 @@ so :class:`RowProcessors` rebuilds, for every row and position, exactly that row
 its committed tokens, then the round's tentative tokens before the position) and calls the processors once per
 group of rows of equal length.
 
-A call covers a subset of the caller's rows. Transformers' processors are pure functions of their rows, and those
-that hold per-row tensors (``RepetitionPenaltyLogitsProcessor``'s ``prompt_ignore_length``) see them sliced to the
-same rows for the call. Processors this module cannot vouch for (user-supplied ones, and Transformers' row-indexed
-``PrefixConstrainedLogitsProcessor``) are called on the whole original batch instead, every other row filled with
-its own tokens up to the same length, and only the group's rows of the result are used: rows never leave their
-batch as far as such a processor can tell.
+A call covers a subset of the caller's rows. Most of Transformers' processors are pure functions of their rows, and
+those that hold per-row tensors (``RepetitionPenaltyLogitsProcessor``'s ``prompt_ignore_length``) see them sliced to
+the same rows for the call. Processors this module cannot vouch for (user-supplied ones, and Transformers' stateful
+or row-indexed ones such as ``PrefixConstrainedLogitsProcessor``) are called on the whole original batch instead,
+every other row filled with its own tokens up to the same length, and only the group's rows of the result are used:
+rows never leave their batch as far as such a processor can tell.
 """
 
 from __future__ import annotations
@@ -23,24 +23,36 @@ from collections.abc import Iterator, Sequence
 
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
-from transformers.generation.logits_process import PrefixConstrainedLogitsProcessor
 
 from .batch import ActiveBatch
 
+# Transformers' processors and criteria that are pure functions of their rows, so a call on some rows gives those
+# rows' results; with the per-row tensors some of them hold, sliced to the rows of the call.
+_ROW_WISE = {
+    "TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper", "TypicalLogitsWarper",
+    "EpsilonLogitsWarper", "EtaLogitsWarper", "RepetitionPenaltyLogitsProcessor", "NoRepeatNGramLogitsProcessor",
+    "NoBadWordsLogitsProcessor", "SequenceBiasLogitsProcessor", "MinLengthLogitsProcessor",
+    "MinNewTokensLengthLogitsProcessor", "SuppressTokensLogitsProcessor", "SuppressTokensAtBeginLogitsProcessor",
+    "ForcedBOSTokenLogitsProcessor", "ForcedEOSTokenLogitsProcessor", "ExponentialDecayLengthPenalty",
+    "InfNanRemoveLogitsProcessor", "LogitNormalization", "StopStringCriteria", "MaxLengthCriteria",
+    "EosTokenCriteria", "ConfidenceCriteria",
+}  # fmt: skip
+_PER_ROW_TENSORS = {"RepetitionPenaltyLogitsProcessor": ("prompt_ignore_length",)}
+
 
 def _sliceable(function: object) -> bool:
-    """Transformers' own processors and criteria are pure functions of their rows (the row-indexed one aside)."""
-    module = type(function).__module__
-    return module.startswith("transformers.generation.") and not isinstance(function, PrefixConstrainedLogitsProcessor)
+    """Whether calling ``function`` on a subset of rows gives those rows' results (see ``_ROW_WISE``)."""
+    return type(function).__module__.startswith("transformers.generation.") and type(function).__name__ in _ROW_WISE
 
 
 @contextlib.contextmanager
-def _rows_of(functions: Sequence[object], rows: torch.Tensor, batch_size: int) -> Iterator[None]:
-    """Within the block, every per-row tensor attribute (first dimension = the caller's batch) holds only ``rows``."""
+def _rows_of(functions: Sequence[object], rows: torch.Tensor) -> Iterator[None]:
+    """Within the block, the per-row tensors of ``functions`` (``_PER_ROW_TENSORS``) hold only ``rows``."""
     saved = []
     for function in functions:
-        for name, value in vars(function).items():
-            if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == batch_size > 1:
+        for name in _PER_ROW_TENSORS.get(type(function).__name__, ()):
+            value = getattr(function, name, None)
+            if isinstance(value, torch.Tensor):
                 saved.append((function, name, value))
                 setattr(function, name, value.index_select(0, rows.to(value.device)))
     try:
@@ -112,7 +124,7 @@ class RowProcessors:
     def _apply(self, batch: ActiveBatch, ids: torch.Tensor, scores: torch.Tensor, original: torch.Tensor):
         batch_size = self.inputs.prompt.shape[0]
         if self.sliced:
-            with _rows_of(self.processors, original, batch_size):
+            with _rows_of(self.processors, original):
                 return self.processors(ids, scores)
         full_scores = scores.new_zeros(batch_size, scores.shape[-1]).index_copy(0, original, scores)
         processed = self.processors(self.inputs.full_batch(batch, ids, original), full_scores)
@@ -156,7 +168,7 @@ class RowCriteria:
                 ids, original = self.inputs.build(batch, rows, done, tokens.index_select(0, rows)[:, : j + 1])
                 row_scores = scores.index_select(0, rows)[:, j]
                 if self.sliced:
-                    with _rows_of(self.criteria, original, batch_size):
+                    with _rows_of(self.criteria, original):
                         stop = self.criteria(ids, row_scores)
                 else:
                     full = row_scores.new_zeros(batch_size, row_scores.shape[-1]).index_copy(0, original, row_scores)

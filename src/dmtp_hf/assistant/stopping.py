@@ -32,6 +32,8 @@ class RowStopping:
         self.pad = pad_token_id if pad_token_id is not None else (int(self.eos[0]) if self.eos is not None else 0)
         others = [c for c in (criteria or []) if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
         self.criteria = RowCriteria(StoppingCriteriaList(others), input_ids)
+        self.stopped_at: dict[int, int] = {}  # no EOS: caller row -> generated tokens when a criterion stopped it
+        self.batch_size = input_ids.shape[0]
 
     def after_prefill(self, batch: ActiveBatch, scores: torch.Tensor) -> torch.Tensor:
         """``[B]`` rows that end with the first generated token (``scores [B, V]``: its processed scores)."""
@@ -41,7 +43,12 @@ class RowStopping:
             stop = stop | torch.isin(first, self.eos)
         if self.criteria:
             at = self.criteria.stop_at(batch, first[:, None], [1] * first.shape[0], scores[:, None], committed=0)
-            stop = stop | torch.tensor([j is not None for j in at], device=stop.device)
+            hit = torch.tensor([j is not None for j in at], device=stop.device)
+            if self.eos is None:
+                self._end_when_all_stopped(batch, at, [0] * len(at))  # the first token: nothing committed before
+                stop = stop | (batch.num_generated >= batch.budget)
+            else:
+                stop = stop | hit
         return stop
 
     def clip(
@@ -60,7 +67,19 @@ class RowStopping:
         if self.criteria:
             at = self.criteria.stop_at(batch, new_tokens, counts.tolist(), scores)
             hit = torch.tensor([j is not None for j in at], device=counts.device)
-            first = torch.tensor([j if j is not None else 0 for j in at], device=counts.device)
-            counts = torch.where(hit, first + 1, counts)
-            stop = stop | hit
+            if self.eos is None:  # the row goes on; the batch ends once every row has stopped
+                self._end_when_all_stopped(batch, at, batch.generated_host)
+                counts = torch.minimum(counts, (batch.budget - batch.num_generated).clamp(min=0))
+            else:
+                first = torch.tensor([j if j is not None else 0 for j in at], device=counts.device)
+                counts = torch.where(hit, first + 1, counts)
+                stop = stop | hit
         return counts, stop
+
+    def _end_when_all_stopped(self, batch: ActiveBatch, at: list[int | None], committed: list[int]) -> None:
+        """Record where criteria stopped rows (``committed`` tokens before the round); end the batch once all have."""
+        for row, first in enumerate(at):
+            if first is not None and batch.rows_host[row] not in self.stopped_at:
+                self.stopped_at[batch.rows_host[row]] = committed[row] + first + 1
+        if len(self.stopped_at) == self.batch_size:
+            batch.budget = min(batch.budget, max(self.stopped_at.values()))
