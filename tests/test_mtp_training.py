@@ -194,3 +194,30 @@ def test_export_single_file_checkpoint_becomes_indexed_and_loads_in_transformers
     ids = torch.tensor([[3, 9, 27]])
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, target(ids).logits)
+
+
+def test_offline_features_with_head_inputs_resume_and_train_the_head_like_online(tmp_path, target, target_dir,
+                                                                                greedy_data):  # fmt: skip
+    from dmtp_hf.training import FeatureExtractor, OfflineFeatureDataset, extract_features
+
+    extractor = FeatureExtractor(target, [0, 1], None, head_inputs=True)
+    out = extract_features(extractor, greedy_data, tmp_path / "features", batch_size=8, shard_size=10, progress=False)
+    first = {p.name: p.read_bytes() for p in sorted(out.glob("features-*.safetensors"))}
+    assert len(first) == 5 and (out / "index.json").is_file()
+    # An interrupted extraction: one shard and the index are missing; the rerun writes only those.
+    (out / "features-00003.safetensors").unlink()
+    (out / "index.json").unlink()
+    stamps = {p.name: p.stat().st_mtime_ns for p in out.glob("features-*.safetensors")}
+    extract_features(extractor, greedy_data, out, batch_size=8, shard_size=10, progress=False)
+    assert {p.name: p.read_bytes() for p in sorted(out.glob("features-*.safetensors"))} == first
+    assert all(out.joinpath(n).stat().st_mtime_ns == t for n, t in stamps.items())
+
+    offline = OfflineFeatureDataset(out)
+    weights = {}
+    for name, data in {"online": greedy_data, "offline": offline}.items():
+        trainer = Trainer(head_config(tmp_path / name, target_dir, max_steps=5, eval_holdout=0), target=target,
+                          train_dataset=data)  # fmt: skip
+        trainer.train()
+        weights[name] = head_state(trainer.mtp_head)
+    for key, value in weights["online"].items():
+        torch.testing.assert_close(weights["offline"][key], value, rtol=1e-5, atol=1e-6)

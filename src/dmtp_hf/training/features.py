@@ -34,7 +34,6 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from ..bundled import resolve_target_path
-from ..modeling.io import atomic_directory
 from ..modeling.native_mtp import NativeMTPHead, TargetHiddenExtractor, load_native_mtp, load_target_checkpoint
 from .data import OfflineFeatureDataset, TokenizedDataset, collate, load_dataset_records
 
@@ -49,7 +48,7 @@ __all__ = [
     "main",
 ]
 
-FEATURE_KEYS = ("context", "mtp_hidden", "mtp_token")
+FEATURE_KEYS = ("context", "mtp_hidden", "mtp_token", "head_hidden")
 
 
 def freeze(module: nn.Module) -> nn.Module:
@@ -123,11 +122,17 @@ class FeatureExtractor:
             features["head_hidden"] = last_hidden
         if self.final_hidden:
             features["final_hidden"] = outputs.hidden_states[-1]
-        if self.mtp_head is None:
-            return features
+        if self.mtp_head is not None:
+            features.update(self.mtp_features(input_ids, last_hidden))
+        return features
 
-        # Teacher-forced MTP pass: pair t = (x_{t+1}, h_t) at position t gives g_t (predicts x_{t+2}). The head is
-        # causal and the batch right-padded, so padding never reaches a real position.
+    @torch.no_grad()
+    def mtp_features(self, input_ids: torch.Tensor, last_hidden: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``mtp_hidden`` ``[B, S, H]`` and ``mtp_token`` ``[B, S]`` of the frozen head from the hidden it reads.
+
+        Teacher-forced MTP pass: pair t = (x_{t+1}, h_t) at position t gives g_t (predicts x_{t+2}). The head is
+        causal and the batch right-padded, so padding never reaches a real position.
+        """
         bsz, seq_len = input_ids.shape
         positions = torch.arange(seq_len - 1, device=input_ids.device).expand(bsz, -1)
         g = self.mtp_head(input_ids[:, 1:], last_hidden[:, :-1], positions)  # [B, S-1, H]
@@ -135,9 +140,7 @@ class FeatureExtractor:
         mtp_token = torch.cat(
             [self.mtp_head.logits(chunk).argmax(dim=-1) for chunk in mtp_hidden.split(self.token_chunk, dim=1)], dim=1
         )
-        features["mtp_hidden"] = mtp_hidden
-        features["mtp_token"] = mtp_token
-        return features
+        return {"mtp_hidden": mtp_hidden, "mtp_token": mtp_token}
 
 
 def _batched_features(
@@ -173,6 +176,11 @@ def precompute_features(
 # Offline features
 
 
+def shard_name(index: int) -> str:
+    """File name of feature shard ``index``."""
+    return f"features-{index:05d}.safetensors"
+
+
 def extract_features(
     extractor: FeatureExtractor,
     dataset: Sequence[dict[str, torch.Tensor]],
@@ -183,44 +191,57 @@ def extract_features(
     dtype: torch.dtype | None = None,
     metadata: dict[str, Any] | None = None,
     progress: bool = True,
+    rank: int = 0,
+    world_size: int = 1,
+    write_index: bool = True,
 ) -> Path:
     """Run ``extractor`` over ``dataset`` (items with ``input_ids``/``loss_mask``) and write safetensors shards.
 
-    ``dtype`` casts the float features (e.g. ``torch.bfloat16`` to halve the disk footprint; None keeps the
-    target's). The directory is written atomically.
+    Shard k holds samples ``[k * shard_size, (k + 1) * shard_size)``; process ``rank`` of ``world_size`` writes the
+    shards with ``k % world_size == rank``. Each shard is written atomically (a temporary file, then a rename), and a
+    shard already on disk is skipped, so an interrupted extraction resumes where it stopped. ``index.json``, which
+    training reads, is written last (``write_index``: by one process, once every shard exists). ``dtype`` casts the
+    float features (e.g. ``torch.bfloat16`` to halve the disk footprint; None keeps the target's).
     """
-    with atomic_directory(output_dir) as tmp:
-        shards: list[dict[str, Any]] = []
-        pending: list[dict[str, torch.Tensor]] = []
-
-        def flush() -> None:
-            if not pending:
-                return
-            name = f"features-{len(shards):05d}.safetensors"
-            lengths = torch.tensor([len(s["input_ids"]) for s in pending])
-            tensors = {key: torch.cat([s[key] for s in pending]).contiguous() for key in pending[0]}
-            tensors["offsets"] = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
-            save_file(tensors, str(tmp / name), metadata={"format": "pt"})
-            shards.append({"file": name, "num_samples": len(pending)})
-            pending.clear()
-
-        for item in _batched_features(extractor, dataset, batch_size, progress):
-            if dtype is not None:
-                item = {k: v.to(dtype) if v.is_floating_point() else v for k, v in item.items()}
-            pending.append(item)
-            if len(pending) >= shard_size:
-                flush()
-        flush()
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    num_shards = max(1, -(-len(dataset) // shard_size))
+    mine = [k for k in range(num_shards) if k % world_size == rank and not (out / shard_name(k)).is_file()]
+    bar = tqdm(total=sum(min(shard_size, len(dataset) - k * shard_size) for k in mine), desc="features",
+               disable=not progress)  # fmt: skip
+    for k in mine:
+        indices = range(k * shard_size, min((k + 1) * shard_size, len(dataset)))
+        items = []
+        for item in _batched_features(extractor, [dataset[i] for i in indices], batch_size, progress=False):
+            items.append(
+                {n: v.to(dtype) if dtype is not None and v.is_floating_point() else v for n, v in item.items()}
+            )
+            bar.update(1)
+        lengths = torch.tensor([len(s["input_ids"]) for s in items])
+        tensors = {key: torch.cat([s[key] for s in items]).contiguous() for key in items[0]}
+        tensors["offsets"] = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+        partial = out / f".{shard_name(k)}.partial"
+        save_file(tensors, str(partial), metadata={"format": "pt"})
+        os.replace(partial, out / shard_name(k))
+    bar.close()
+    if write_index and all((out / shard_name(k)).is_file() for k in range(num_shards)):
+        shards = [
+            {"file": shard_name(k), "num_samples": min(shard_size, len(dataset) - k * shard_size)}
+            for k in range(num_shards)
+        ]
         index = {
             "shards": shards,
-            "num_samples": sum(s["num_samples"] for s in shards),
+            "num_samples": len(dataset),
             "target_layer_ids": extractor.target_layer_ids,
             "hidden_input": extractor.hidden_input,
             "has_mtp": extractor.mtp_head is not None,
+            "has_head_inputs": extractor.head_inputs,
             **(metadata or {}),
         }
-        (tmp / "index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return Path(output_dir)
+        partial = out / ".index.json.partial"
+        partial.write_text(json.dumps(index, indent=2) + "\n")
+        os.replace(partial, out / "index.json")
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -231,7 +252,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dmtp extract", description="Extract frozen target + MTP features for offline draft training."
     )
-    parser.add_argument("--target", required=True, help="target checkpoint (or tiny:<family> for smoke tests)")
+    parser.add_argument("--target", required=True, help="target checkpoint (`bundled`: the bundled target)")
     parser.add_argument("--data", required=True, help="chat or pre-tokenized JSONL")
     parser.add_argument("--output", required=True, help="output feature directory")
     parser.add_argument("--target-layer-ids", required=True, help="comma-separated 0-based target layers")
@@ -239,6 +260,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-length", type=int, default=4096)
     parser.add_argument("--enable-thinking", choices=["true", "false", "unset"], default="unset")
     parser.add_argument("--no-mtp", action="store_true", help="skip the MTP features (DFlash baseline)")
+    parser.add_argument(
+        "--head-inputs", action="store_true", help="also store the hidden the MTP head reads (to train the head)"
+    )
     parser.add_argument("--hidden-input", choices=["post_norm", "pre_norm"], default="post_norm")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--shard-size", type=int, default=1024)
@@ -261,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         enable_thinking=thinking,
     )  # fmt: skip
     dtype = None if args.dtype == "keep" else getattr(torch, args.dtype)
-    extractor = FeatureExtractor(target, layer_ids, head, hidden_input=args.hidden_input)
+    extractor = FeatureExtractor(target, layer_ids, head, hidden_input=args.hidden_input, head_inputs=args.head_inputs)
     out = extract_features(
         extractor, dataset, args.output, batch_size=args.batch_size, shard_size=args.shard_size, dtype=dtype,
         metadata={"target": str(args.target), "data": str(args.data)},

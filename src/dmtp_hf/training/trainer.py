@@ -549,10 +549,15 @@ class Trainer:
         """Collate, compute (or read) the frozen features and plan the blocks of one micro-batch."""
         device = self.accelerator.device
         batch = {k: v.to(device) for k, v in collate(samples).items()}
-        if "context" in batch:  # offline features
-            if self.config.train_mtp_head != "frozen":
-                raise ValueError("Training the MTP head needs the target online: offline features hold no head inputs")
+        if "context" in batch or "head_hidden" in batch:  # offline features
             features = {k: batch[k] for k in FEATURE_KEYS if k in batch}
+            needs_head_inputs = self.config.train_mtp_head != "frozen" or (
+                self.mtp_head is not None and "mtp_hidden" not in features
+            )
+            if needs_head_inputs and "head_hidden" not in features:
+                raise ValueError("These offline features hold no MTP head inputs: extract them with --head-inputs")
+            if self.config.train_mtp_head == "frozen" and self.mtp_head is not None and "mtp_hidden" not in features:
+                features.update(self.extractor.mtp_features(batch["input_ids"], features["head_hidden"]))
         else:
             features = self.extractor(batch["input_ids"], batch["attention_mask"])
         inputs = {"input_ids": batch["input_ids"], "loss_mask": batch["loss_mask"], **features}
