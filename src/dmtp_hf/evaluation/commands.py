@@ -54,7 +54,24 @@ def _add_common(parser: argparse.ArgumentParser, default_output: str) -> None:
         type=_label_path,
         default=[],
         metavar="LABEL=PATH",
-        help="another DMTP/DFlash checkpoint compared under LABEL (repeatable)",
+        help="another DMTP/DFlash checkpoint compared under LABEL (PATH@HEAD: bound to head HEAD; repeatable)",
+    )
+    models.add_argument(
+        "--mtp-head", help="MTP head checkpoint replacing the target's own (a tuned head, or a retrofitted one)"
+    )
+    models.add_argument(
+        "--head",
+        action="append",
+        type=_label_path,
+        default=[],
+        metavar="LABEL=PATH",
+        help="another MTP head, used by strategies mtpK@LABEL and drafts given as PATH@LABEL (repeatable)",
+    )
+    models.add_argument(
+        "--bundle",
+        default="bundled",
+        choices=["bundled", "smollm2"],
+        help="which bundled models fill omitted paths: the small Qwen3.5-style ones, or SmolLM2-135M-Instruct",
     )
     models.add_argument("--tokenizer", help="tokenizer path (default: the target's)")
     models.add_argument("--device", help="cuda, cuda:1, cpu (default: cuda when available)")
@@ -167,8 +184,9 @@ def _load(args: argparse.Namespace) -> dict[str, Any]:
     settings = _settings(args)
     prompt_sets = resolve_prompt_sets(args.datasets, args.prompts, settings.limit)
     paths = resolve_model_paths(
-        args.target, args.draft, args.dflash_draft, tokenizer=args.tokenizer, extra_drafts=dict(args.extra_draft)
-    )
+        args.target, args.draft, args.dflash_draft, tokenizer=args.tokenizer, extra_drafts=dict(args.extra_draft),
+        mtp_head=args.mtp_head, heads=dict(args.head), bundle=args.bundle,
+    )  # fmt: skip
     labels = parse_strategies(args.strategies, paths)
     device, dtype = resolve_device_dtype(args.device, args.dtype)
     target = load_target(paths.target, device, dtype)

@@ -17,7 +17,7 @@ import torch
 
 from ..assistant.drafters import Drafter
 
-MTP_STRATEGY = re.compile(r"^mtp(\d+)$")
+MTP_STRATEGY = re.compile(r"^mtp(\d+)(?:@(?P<head>[\w.-]+))?$")
 DMTP_KINDS = ("dmtp", "dflash")
 
 
@@ -29,33 +29,20 @@ class ModelPaths:
     draft: str | None = None
     dflash_draft: str | None = None
     tokenizer: str | None = None
-    extra_drafts: dict[str, str] = field(default_factory=dict)  # label -> DMTP/DFlash checkpoint
+    extra_drafts: dict[str, str] = field(default_factory=dict)  # label -> DMTP/DFlash checkpoint[@head label]
+    mtp_head: str | None = None  # head checkpoint replacing the target's own MTP head (tuned or retrofitted)
+    heads: dict[str, str] = field(default_factory=dict)  # label -> further head checkpoints (mtpK@label)
 
 
-def _bundled_defaults() -> tuple[Mapping[str, Any] | None, str]:
-    """``(paths, why)``: ``dmtp_hf.bundled.default_paths()`` normalised to keys ``target``/``draft``/``dflash_draft``,
-    or ``(None, reason)`` while no bundled models exist (module absent or checkpoints not built)."""
+def _bundled_defaults(bundle: str = "bundled") -> tuple[Mapping[str, Any] | None, str]:
+    """``(paths, why)``: the bundle's models (``dmtp_hf.bundled.bundle_paths``) as `ModelPaths` fields, or
+    ``(None, reason)`` while they do not exist."""
+    from ..bundled import bundle_paths
+
     try:
-        from ..bundled import default_paths
-    except ImportError:
-        return None, "dmtp_hf.bundled.default_paths() is unavailable"
-    try:
-        paths = default_paths()
-    except (OSError, KeyError) as err:  # NotBuiltError is a FileNotFoundError
+        return bundle_paths(bundle), ""
+    except (OSError, KeyError, ImportError) as err:  # NotBuiltError is a FileNotFoundError
         return None, str(err).splitlines()[0] if str(err) else type(err).__name__
-    if not isinstance(paths, Mapping):  # a dataclass / namespace with attributes works too
-        paths = {
-            key: getattr(paths, key)
-            for key in ("target", "dmtp", "draft", "dflash", "dflash_draft")
-            if hasattr(paths, key)
-        }
-    extra = {"dmtp-from-dflash": paths["dmtp_from_dflash"]} if paths.get("dmtp_from_dflash") else {}
-    return {
-        "target": paths.get("target"),
-        "draft": paths.get("dmtp", paths.get("draft")),
-        "dflash_draft": paths.get("dflash", paths.get("dflash_draft")),
-        "extra_drafts": extra,
-    }, ""
 
 
 def resolve_model_paths(
@@ -65,17 +52,22 @@ def resolve_model_paths(
     *,
     tokenizer: str | Path | None = None,
     extra_drafts: Mapping[str, str] | None = None,
+    mtp_head: str | Path | None = None,
+    heads: Mapping[str, str] | None = None,
+    bundle: str = "bundled",
 ) -> ModelPaths:
-    """Fill omitted paths from the bundled defaults; raise ``ValueError`` asking for ``--target`` if none."""
+    """Fill omitted paths from the bundle's models; raise ``ValueError`` asking for ``--target`` if none."""
     paths = ModelPaths(
         target=str(target) if target else None,
         draft=str(draft) if draft else None,
         dflash_draft=str(dflash_draft) if dflash_draft else None,
         tokenizer=str(tokenizer) if tokenizer else None,
         extra_drafts=dict(extra_drafts or {}),
+        mtp_head=str(mtp_head) if mtp_head else None,
+        heads=dict(heads or {}),
     )
     if paths.target is None or paths.draft is None:
-        defaults, why = _bundled_defaults()
+        defaults, why = _bundled_defaults(bundle)
         if defaults is None and paths.target is None:
             raise ValueError(f"no bundled models ({why}); pass --target PATH --draft PATH [--dflash-draft PATH]")
         if defaults is not None and paths.target is None:
@@ -83,8 +75,11 @@ def resolve_model_paths(
             paths.target = str(defaults["target"])
             paths.draft = paths.draft or _optional(defaults.get("draft"))
             paths.dflash_draft = paths.dflash_draft or _optional(defaults.get("dflash_draft"))
+            paths.mtp_head = paths.mtp_head or _optional(defaults.get("mtp_head"))
             for label, path in (defaults.get("extra_drafts") or {}).items():
                 paths.extra_drafts.setdefault(label, str(path))
+            for label, path in (defaults.get("heads") or {}).items():
+                paths.heads.setdefault(label, str(path))
     return paths
 
 
@@ -165,7 +160,8 @@ class Strategy:
 def parse_strategies(spec: str | None, paths: ModelPaths) -> list[str]:
     """Strategy labels from ``--strategies`` (``None``: dmtp, dflash when a DFlash draft is known, mtp4).
 
-    Valid labels: ``dmtp``, ``dflash``, ``mtpK`` (K >= 1) and the labels of ``--extra-draft LABEL=PATH``.
+    Valid labels: ``dmtp``, ``dflash``, ``mtpK`` (K >= 1; ``mtpK@HEAD`` with a head given by ``--head HEAD=PATH``)
+    and the labels of ``--extra-draft LABEL=PATH``.
     """
     if spec is None:
         labels = ["dmtp"] + (["dflash"] if paths.dflash_draft else []) + ["mtp4"]
@@ -182,6 +178,8 @@ def parse_strategies(spec: str | None, paths: ModelPaths) -> list[str]:
         match = MTP_STRATEGY.match(label)
         if match and int(match.group(1)) < 1:
             raise ValueError(f"strategy {label!r}: MTP needs at least one step")
+        if match and match["head"] and match["head"] not in paths.heads:
+            raise ValueError(f"strategy {label!r}: no head {match['head']!r} (give it with --head LABEL=PATH)")
     if len(set(labels)) != len(labels):
         raise ValueError(f"--strategies repeats a label: {spec}")
     return labels
@@ -190,8 +188,9 @@ def parse_strategies(spec: str | None, paths: ModelPaths) -> list[str]:
 def build_strategies(labels: list[str], target, paths: ModelPaths, fast_path: bool = False) -> list[Strategy]:
     """Load the drafts the labels need (bound to ``target``) and build one :class:`Strategy` per label.
 
-    All strategies share the target's native MTP head (loaded once from the target checkpoint); runs are
-    sequential and every request re-initialises the drafter state, so sharing is safe. ``fast_path`` builds the
+    All strategies share the target's native MTP head (loaded once from the target checkpoint, or from
+    ``paths.mtp_head``); ``mtpK@LABEL`` and drafts given as ``PATH@LABEL`` use the head ``paths.heads[LABEL]``. Runs
+    are sequential and every request re-initialises the drafter state, so sharing is safe. ``fast_path`` builds the
     fixed-slot drafters (CUDA graphs on GPU; same tokens).
     """
     from ..assistant.generate import as_drafter
@@ -200,28 +199,35 @@ def build_strategies(labels: list[str], target, paths: ModelPaths, fast_path: bo
 
     device = next(target.parameters()).device
     dtype = target.get_input_embeddings().weight.dtype
-    mtp_head = None
+    heads: dict[str | None, Any] = {}
 
-    def native_mtp():
-        nonlocal mtp_head
-        if mtp_head is None:
+    def native_mtp(label: str | None = None):
+        if label not in heads:
+            checkpoint = paths.mtp_head if label is None else paths.heads[label]
             try:
-                mtp_head = load_native_mtp(target)
+                heads[label] = load_native_mtp(target, checkpoint=checkpoint)
             except MissingMTPTensorsError as err:  # a RuntimeError upstream; an expected user-facing failure here
                 raise ValueError(str(err)) from None
-        return mtp_head
+        return heads[label]
 
-    def load_draft(path: str, **overrides: Any) -> DMTPDraftModel:
+    def load_draft(spec: str, **overrides: Any) -> DMTPDraftModel:
+        path, _, head = spec.partition("@")
         draft = DMTPDraftModel.from_pretrained(path, **overrides).to(device=device, dtype=dtype).eval()
-        return draft.bind(target, native_mtp=native_mtp() if draft.config.anchor_layout != "dflash" else None)
+        return draft.bind(
+            target, native_mtp=native_mtp(head or None) if draft.config.anchor_layout != "dflash" else None
+        )
 
     strategies = []
     for label in labels:
         match = MTP_STRATEGY.match(label)
         if match:
             steps = int(match.group(1))
-            drafter = as_drafter(native_mtp(), mtp_steps=steps, fast_path=fast_path)
-            details = {"mtp_steps": steps, "fast_path": fast_path}
+            drafter = as_drafter(native_mtp(match["head"]), mtp_steps=steps, fast_path=fast_path)
+            details = {
+                "mtp_steps": steps,
+                "mtp_head": paths.heads.get(match["head"], paths.mtp_head),
+                "fast_path": fast_path,
+            }
             strategies.append(Strategy(label, "mtp", drafter, None, details))
             continue
         if label == "dmtp":
