@@ -1,6 +1,7 @@
-"""The bundled comparison, one command: native MTP-1..4, DFlash, DMTP and DMTP-from-DFlash on the bundled target.
+"""A bundle's comparison, one command: native MTP-1..4, DFlash and the DMTP drafts on the same prompts.
 
     python scripts/reproduce/compare.py                       # reports/bundled/: README.md, JSON, PNG plots
+    python scripts/reproduce/compare.py --bundle smollm2      # reports/smollm2/ (SmolLM2-135M-Instruct)
     python scripts/reproduce/compare.py --limit 4 --max-new-tokens 16 --output-dir /tmp/smoke   # quick smoke run
 
 1. ``dmtp eval`` on held-out code requests, held-out chats (``outputs/corpus/bench``, rebuilt by
@@ -22,26 +23,69 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 MODELS = REPO / "src" / "dmtp_hf" / "bundled" / "models"
 BENCH = REPO / "outputs" / "corpus" / "bench"
-DRAFTS = {"dmtp": "dmtp", "dflash": "dflash", "dmtp-from-dflash": "dmtp_from_dflash"}
-METHODS = ["mtp1", "mtp2", "mtp3", "mtp4", "dflash", "dmtp", "dmtp-from-dflash"]
+
+
+@dataclass
+class Bundle:
+    """What a bundle's comparison runs: eval/bench model arguments, methods, drafts (label -> folder) to describe,
+    and the DMTP variants compared with DFlash."""
+
+    title: str
+    models: list[str]
+    methods: list[str]
+    bench_methods: list[str]
+    drafts: dict[str, Path]
+    dmtp_variants: list[str]
+    heads: dict[str, Path] = field(default_factory=dict)
+
+
+def bundle(name: str) -> Bundle:
+    """The comparison of the ``bundled`` or ``smollm2`` models."""
+    if name == "smollm2":
+        folder = MODELS / "smollm2"
+        return Bundle(
+            title="SmolLM2-135M-Instruct (a real pretrained target) with a retrofitted MTP head",
+            models=["--bundle", "smollm2"],
+            methods=["mtp1", "mtp2", "mtp3", "mtp4", "dflash", "dmtp"],
+            bench_methods=["dmtp", "dflash", "mtp1"],
+            drafts={"dmtp": folder / "dmtp", "dflash": folder / "dflash"},
+            dmtp_variants=["dmtp"],
+            heads={"retrofitted MTP head": folder / "mtp_head"},
+        )
+    drafts = {"dmtp": MODELS / "dmtp", "dflash": MODELS / "dflash", "dmtp-from-dflash": MODELS / "dmtp_from_dflash"}
+    models = [
+        "--target", str(MODELS / "target"), "--draft", str(drafts["dmtp"]), "--dflash-draft", str(drafts["dflash"]),
+        "--extra-draft", f"dmtp-from-dflash={drafts['dmtp-from-dflash']}",
+    ]  # fmt: skip
+    methods = ["mtp1", "mtp2", "mtp3", "mtp4", "dflash", "dmtp", "dmtp-from-dflash"]
+    variants = ["dmtp", "dmtp-from-dflash"]
+    heads = {}
+    tuned_head, tuned_draft = MODELS / "mtp_head_tuned", MODELS / "dmtp_tuned"
+    if (tuned_head / "config.json").is_file() and (tuned_draft / "config.json").is_file():
+        models += ["--head", f"tuned={tuned_head}", "--extra-draft", f"dmtp-tuned={tuned_draft}@tuned"]
+        methods = [*methods[:4], *(f"mtp{k}@tuned" for k in range(1, 5)), *methods[4:], "dmtp-tuned"]
+        drafts["dmtp-tuned"] = tuned_draft
+        variants.append("dmtp-tuned")
+        heads["tuned MTP head"] = tuned_head
+    return Bundle(
+        title="native MTP vs DFlash vs DMTP on a small Qwen3.5-architecture target",
+        models=models,
+        methods=methods,
+        bench_methods=["dmtp", "dflash", "dmtp-from-dflash", "mtp1"],
+        drafts=drafts,
+        dmtp_variants=variants,
+        heads=heads,
+    )
 
 
 def _dmtp(*args: str) -> list[str]:
     return [sys.executable, "-m", "dmtp_hf.cli", *args]
-
-
-def _models(args) -> list[str]:
-    return [
-        "--target", str(args.models / "target"),
-        "--draft", str(args.models / DRAFTS["dmtp"]),
-        "--dflash-draft", str(args.models / DRAFTS["dflash"]),
-        "--extra-draft", f"dmtp-from-dflash={args.models / DRAFTS['dmtp-from-dflash']}",
-    ]  # fmt: skip
 
 
 def run_eval(args, out: Path) -> dict:
@@ -61,8 +105,8 @@ def run_eval(args, out: Path) -> dict:
     if args.workers == 1:
         workloads = [[*workloads[1], "--datasets", "mt_bench"]]
     common = [
-        *_models(args),
-        "--strategies", ",".join(METHODS),
+        *args.bundle.models,
+        "--strategies", ",".join(args.bundle.methods),
         "--limit", str(args.limit),
         "--max-new-tokens", str(args.max_new_tokens),
         "--no-progress",
@@ -87,8 +131,8 @@ def run_eval(args, out: Path) -> dict:
 def run_bench(args, out: Path) -> dict:
     """Throughput of plain generate, DMTP, DFlash and MTP-1 at batch sizes 1, 2, 4."""
     command = _dmtp(
-        "bench", *_models(args),
-        "--strategies", "dmtp,dflash,dmtp-from-dflash,mtp1",
+        "bench", *args.bundle.models,
+        "--strategies", ",".join(args.bundle.bench_methods),
         "--datasets", "mt_bench", "--prompts", str(out / "parts" / "prompts" / "held-out-code.jsonl"),
         "--limit", str(args.bench_limit), "--max-new-tokens", str(args.max_new_tokens),
         "--batch-sizes", "1,2,4", "--no-progress", "--output-dir", str(out),
@@ -99,25 +143,28 @@ def run_bench(args, out: Path) -> dict:
     return json.loads((out / "bench.json").read_text())
 
 
-def parameter_counts(models: Path) -> dict[str, int]:
-    """Parameters of the target (body and MTP head) and of each draft, from the safetensors headers."""
+def parameter_counts(spec: Bundle) -> dict[str, int]:
+    """Parameters of the target (body and MTP head), of extra heads and of each draft, from safetensors headers."""
     from safetensors import safe_open
 
     def count(folder: Path, predicate=lambda name: True) -> int:
         total = 0
-        for file in sorted(folder.glob("*.safetensors")):
+        for file in sorted(Path(folder).glob("*.safetensors")):
             with safe_open(str(file), "pt") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
                     if predicate(name):
                         total += _numel(f.get_slice(name).get_shape())
         return total
 
-    counts = {
-        "target (without MTP head)": count(models / "target", lambda n: not n.startswith("mtp.")),
-        "native MTP head": count(models / "target", lambda n: n.startswith("mtp.")),
-    }
-    for label, folder in DRAFTS.items():
-        counts[f"{label} draft"] = count(models / folder)
+    counts = {}
+    target = next((spec.models[i + 1] for i, a in enumerate(spec.models) if a == "--target"), None)
+    if target is not None:
+        counts["target (without MTP head)"] = count(target, lambda n: not n.startswith("mtp."))
+        counts["native MTP head"] = count(target, lambda n: n.startswith("mtp."))
+    for label, folder in spec.heads.items():
+        counts[label] = count(folder)
+    for label, folder in spec.drafts.items():
+        counts[f"{label} draft"] = count(folder)
     return counts
 
 
@@ -128,11 +175,11 @@ def _numel(shape) -> int:
     return total
 
 
-def training_budget(models: Path) -> dict[str, dict]:
-    """What each bundled draft's ``training.json`` says (steps, tokens, CPU time, data)."""
+def training_budget(spec: Bundle) -> dict[str, dict]:
+    """What each draft's and head's ``training.json`` says (steps, tokens, CPU time, data)."""
     budget = {}
-    for label, folder in DRAFTS.items():
-        path = models / folder / "training.json"
+    for label, folder in {**spec.heads, **spec.drafts}.items():
+        path = Path(folder) / "training.json"
         if path.is_file():
             budget[label] = json.loads(path.read_text())
     return budget
@@ -142,20 +189,18 @@ def _f(value, digits=2) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
 
 
-def summary_markdown(evaluation: dict, bench: dict | None, counts: dict[str, int], budget: dict, args) -> str:
-    """The report page: one table per workload, DMTP vs DFlash, budgets, plots."""
+def _header(evaluation: dict, counts: dict[str, int], args) -> list[str]:
     settings = evaluation["settings"]
-    labels = [s["label"] for s in evaluation["strategies"]]
-    rows = [(d["name"], d["display_name"], d["num_prompts"], d["num_turns"]) for d in evaluation["datasets"]]
-    lines = [
-        "# Bundled comparison: native MTP vs DFlash vs DMTP on a small Qwen3.5-architecture target",
+    same = all(evaluation["outputs_identical"].values())
+    return [
+        f"# {args.bundle.title}",
         "",
-        f"Generated by `python scripts/reproduce/compare.py --limit {args.limit} --max-new-tokens "
-        f"{args.max_new_tokens}` on {evaluation['environment'].get('device', 'cpu')} "
+        f"Generated by `python scripts/reproduce/compare.py --bundle {args.bundle_name} --limit {args.limit} "
+        f"--max-new-tokens {args.max_new_tokens}` on {evaluation['environment'].get('device', 'cpu')} "
         f"({evaluation['created']}). Greedy (T=0), target chat template, thinking disabled, up to "
         f"{settings['max_new_tokens']} new tokens per turn, stop at EOS; MT-Bench answered turn by turn. Every "
         "method produced exactly plain `generate`'s tokens: "
-        f"{'yes' if all(evaluation['outputs_identical'].values()) else 'NO: ' + str(evaluation['outputs_identical'])}.",
+        f"{'yes' if same else 'NO: ' + str(evaluation['outputs_identical'])}.",
         "",
         "## Models and budgets",
         "",
@@ -164,27 +209,35 @@ def summary_markdown(evaluation: dict, bench: dict | None, counts: dict[str, int
         *[f"| {name} | {value / 1e6:.2f}M |" for name, value in counts.items()],
         "",
     ]
-    if budget:
-        lines += [
-            "Drafts were trained with the project's trainer on the same target-regenerated data and hyperparameters "
-            "(`configs/bundled-*.yaml`): DFlash and DMTP from scratch for the same number of steps; DMTP-from-DFlash "
-            "continues from the DFlash baseline's final weights (zero-initialised fusion) for the steps shown.",
-            "",
-            "| Draft | Init | Steps | Micro-batch x processes | Train samples | CPU wall time | Held-out loss | "
-            "Held-out simulated τ |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |",
-        ]
-        for label, info in budget.items():
-            last = info.get("last_eval") or {}
-            init = Path(info["init_from"]).parent.name if info.get("init_from") else "scratch"
-            lines.append(
-                f"| {label} | {init} | {info.get('steps')} | {info.get('micro_batch_size')} x "
-                f"{info.get('num_processes')} | {info.get('train_samples')} | "
-                f"{info.get('train_seconds', 0) / 60:.0f} min | {_f(last.get('loss'), 3)} | "
-                f"{_f(last.get('accept_len'), 2)} |"
-            )
-        lines.append("")
-    lines += [
+
+
+def _budget_table(budget: dict) -> list[str]:
+    if not budget:
+        return []
+    lines = [
+        "Every draft and head was trained with the project's trainer on the same target-regenerated data; the "
+        "table gives what each `training.json` records.",
+        "",
+        "| Model | Init | Steps | Micro-batch x processes | Train samples | CPU wall time | Held-out loss | "
+        "Held-out simulated τ / head accuracy |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for label, info in budget.items():
+        last = info.get("last_eval") or {}
+        init = Path(info["init_from"]).name if info.get("init_from") else "scratch"
+        loss = last.get("loss", last.get("mtp_loss"))
+        quality = _f(last.get("accept_len"), 2) if "accept_len" in last else _f(last.get("mtp_acc"), 3)
+        lines.append(
+            f"| {label} | {init} | {info.get('steps')} | {info.get('micro_batch_size')} x "
+            f"{info.get('num_processes')} | {info.get('train_samples')} | "
+            f"{info.get('train_seconds', 0) / 60:.0f} min | {_f(loss, 3)} | {quality} |"
+        )
+    return [*lines, ""]
+
+
+def _summary_table(evaluation: dict, rows: list[tuple]) -> list[str]:
+    labels = [s["label"] for s in evaluation["strategies"]]
+    lines = [
         "## Summary",
         "",
         "Acceptance length τ per request (per verify) · first-candidate acceptance · wall-clock speedup over plain "
@@ -195,62 +248,84 @@ def summary_markdown(evaluation: dict, bench: dict | None, counts: dict[str, int
     ]
     for key, display, prompts, turns in [*rows, ("overall", "All", None, None)]:
         entries = evaluation["overall"] if key == "overall" else evaluation["results"][key]
-        cells = []
-        for label in labels:
-            e = entries[label]
-            cells.append(
-                f"{_f(e['acceptance_length_per_request'])} ({_f(e['acceptance_length_per_verify'])}) · "
-                f"{100 * (e['first_candidate_acceptance'] or 0):.1f}% · {_f(e.get('speedup'))}×"
-            )
+        cells = [
+            f"{_f(e['acceptance_length_per_request'])} ({_f(e['acceptance_length_per_verify'])}) · "
+            f"{100 * (e['first_candidate_acceptance'] or 0):.1f}% · {_f(e.get('speedup'))}×"
+            for e in (entries[label] for label in labels)
+        ]
         name = display if prompts is None else f"{display} ({prompts} prompts, {turns} turns)"
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines += ["", "### DMTP vs DFlash", ""]
-    lines += [
-        "| Workload | τ DFlash | τ DMTP | gain | τ DMTP-from-DFlash | gain | first-cand. DFlash → DMTP | speedup "
-        "DFlash / DMTP / DMTP-from-DFlash |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    return lines
+
+
+def _versus_dflash(evaluation: dict, rows: list[tuple], variants: list[str]) -> list[str]:
+    tau = "acceptance_length_per_request"
+    lines = [
+        "",
+        "### DMTP vs DFlash",
+        "",
+        "τ per request and its gain over DFlash; first-candidate acceptance; wall-clock speedup over `generate`.",
+        "",
+        "| Workload | τ DFlash | "
+        + " | ".join(f"τ {v} (gain)" for v in variants)
+        + " | first-cand. DFlash | "
+        + " | ".join(f"first-cand. {v}" for v in variants)
+        + " | speedup DFlash | "
+        + " | ".join(f"speedup {v}" for v in variants)
+        + " |",
+        "| --- " * (4 + 3 * len(variants)) + "|",
     ]
     for key, display, *_ in [*rows, ("overall", "All")]:
         entries = evaluation["overall"] if key == "overall" else evaluation["results"][key]
-        d, m, c = entries["dflash"], entries["dmtp"], entries["dmtp-from-dflash"]
-        tau = "acceptance_length_per_request"
+        d = entries["dflash"]
+        gains = [f"{_f(entries[v][tau])} ({100 * (entries[v][tau] / d[tau] - 1):+.1f}%)" for v in variants]
+        firsts = [f"{100 * entries[v]['first_candidate_acceptance']:.1f}%" for v in variants]
+        speeds = [f"{_f(entries[v].get('speedup'))}×" for v in variants]
         lines.append(
-            f"| {display} | {_f(d[tau])} | {_f(m[tau])} | {100 * (m[tau] / d[tau] - 1):+.1f}% | {_f(c[tau])} | "
-            f"{100 * (c[tau] / d[tau] - 1):+.1f}% | {100 * d['first_candidate_acceptance']:.1f}% → "
-            f"{100 * m['first_candidate_acceptance']:.1f}% | {_f(d.get('speedup'))}× / {_f(m.get('speedup'))}× / "
-            f"{_f(c.get('speedup'))}× |"
+            f"| {display} | {_f(d[tau])} | "
+            + " | ".join(gains)
+            + f" | {100 * d['first_candidate_acceptance']:.1f}% | "
+            + " | ".join(firsts)
+            + f" | {_f(d.get('speedup'))}× | "
+            + " | ".join(speeds)
+            + " |"
         )
+    return lines
+
+
+def _bench_table(bench: dict) -> list[str]:
+    sizes = bench["settings"]["batch_sizes"]
+    lines = [
+        "## Throughput vs batch size (`dmtp bench`)",
+        "",
+        f"First turns of MT-Bench and held-out code, {bench['settings'].get('num_prompts', '')} prompts, output "
+        "tokens / wall time of the workload (prefill included), ratio to plain `generate` at the same batch size.",
+        "",
+        "| Method | " + " | ".join(f"B={b}" for b in sizes) + " |",
+        "| --- | " + " | ".join("---" for _ in sizes) + " |",
+    ]
+    for method in bench["baselines"]:
+        cells = []
+        for b in sizes:
+            m = method["results"].get(str(b))
+            cells.append("—" if not m else f"{m['tokens_per_second']:.1f} tok/s ({m['speedup']:.2f}×)")
+        note = f" ({method['skipped']})" if method.get("skipped") else ""
+        lines.append(f"| {method['name']}{note} | " + " | ".join(cells) + " |")
+    return [*lines, "", "![throughput](throughput.png)", ""]
+
+
+def summary_markdown(evaluation: dict, bench: dict | None, counts: dict[str, int], budget: dict, args) -> str:
+    """The report page: models and budgets, one table per workload, DMTP vs DFlash, findings, plots, throughput."""
+    rows = [(d["name"], d["display_name"], d["num_prompts"], d["num_turns"]) for d in evaluation["datasets"]]
+    lines = _header(evaluation, counts, args) + _budget_table(budget) + _summary_table(evaluation, rows)
+    lines += _versus_dflash(evaluation, rows, args.bundle.dmtp_variants)
     if args.analysis.is_file():
         lines += ["", "## Findings", "", args.analysis.read_text().strip()]
-    lines += [
-        "",
-        "![acceptance length](acceptance_length.png)",
-        "",
-        "![cumulative position-wise acceptance](position_acceptance.png)",
-        "",
-        "![acceptance histogram](acceptance_histogram.png)",
-        "",
-    ]
+    lines += ["", "![acceptance length](acceptance_length.png)", "",
+              "![cumulative position-wise acceptance](position_acceptance.png)", "",
+              "![acceptance histogram](acceptance_histogram.png)", ""]  # fmt: skip
     if bench is not None:
-        sizes = bench["settings"]["batch_sizes"]
-        lines += [
-            "## Throughput vs batch size (`dmtp bench`)",
-            "",
-            f"First turns of MT-Bench and held-out code, {bench['settings'].get('num_prompts', '')} prompts, "
-            "output tokens / wall time of the workload (prefill included), ratio to plain `generate` at the same "
-            "batch size.",
-            "",
-            "| Method | " + " | ".join(f"B={b}" for b in sizes) + " |",
-            "| --- | " + " | ".join("---" for _ in sizes) + " |",
-        ]
-        for method in bench["baselines"]:
-            cells = []
-            for b in sizes:
-                m = method["results"].get(str(b))
-                cells.append("—" if not m else f"{m['tokens_per_second']:.1f} tok/s ({m['speedup']:.2f}×)")
-            note = f" ({method['skipped']})" if method.get("skipped") else ""
-            lines.append(f"| {method['name']}{note} | " + " | ".join(cells) + " |")
-        lines += ["", "![throughput](throughput.png)", ""]
+        lines += _bench_table(bench)
     lines += [
         "Full tables (per-verify τ, conditional acceptance, per-dataset counts): [eval.md](eval.md); raw data: "
         "[eval.json](eval.json)" + (", [bench.json](bench.json)." if bench is not None else "."),
@@ -262,7 +337,7 @@ def summary_markdown(evaluation: dict, bench: dict | None, counts: dict[str, int
 def main(argv: list[str] | None = None) -> int:
     """Run eval (and bench) on the bundled models and write the report."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", type=Path, default=MODELS, help="folder with target/, dmtp/, dflash/, ...")
+    parser.add_argument("--bundle", dest="bundle_name", default="bundled", choices=["bundled", "smollm2"])
     parser.add_argument("--limit", type=int, default=80)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--bench-limit", type=int, default=16, help="prompts per set for dmtp bench")
@@ -270,12 +345,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="CPU threads in total")
     parser.add_argument("--skip-bench", action="store_true")
     parser.add_argument("--report-only", action="store_true", help="rebuild README.md from the saved JSON")
-    parser.add_argument("--output-dir", type=Path, default=REPO / "reports" / "bundled")
+    parser.add_argument("--output-dir", type=Path, help="default: reports/<bundle>")
     parser.add_argument(
         "--analysis", type=Path, help="markdown written by a person after reading the numbers (default: "
         "OUTPUT_DIR/analysis.md when present), included as the report's Findings"
     )  # fmt: skip
     args = parser.parse_args(argv)
+    args.bundle = bundle(args.bundle_name)
+    args.output_dir = args.output_dir or REPO / "reports" / args.bundle_name
     args.analysis = args.analysis or args.output_dir / "analysis.md"
     out = args.output_dir
     out.mkdir(parents=True, exist_ok=True)
@@ -291,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"eval done in {(time.time() - started) / 60:.1f} min", flush=True)
         bench = None if args.skip_bench else run_bench(args, out)
         print(f"eval + bench done in {(time.time() - started) / 60:.1f} min", flush=True)
-    report = summary_markdown(evaluation, bench, parameter_counts(args.models), training_budget(args.models), args)
+    report = summary_markdown(evaluation, bench, parameter_counts(args.bundle), training_budget(args.bundle), args)
     (out / "README.md").write_text(report)
     print(report)
     return 0
