@@ -418,3 +418,15 @@ def test_sliding_window_target_rolls_back():
     )
     assert torch.equal(out, reference)
     assert sum(1 for count in stats.hist if count) >= 3
+
+
+def test_round_stage_times_add_up_to_the_rounds(targets):
+    from dmtp_hf.assistant.stats import ROUND_STAGES
+
+    target = targets["qwen3_5"]
+    prompt = torch.tensor([[5, 17, 42, 9, 77, 3, 64]])
+    for drafter in strategies(target).values():
+        _, stats = speculative_decode(target, prompt, drafter, max_length=prompt.shape[1] + 40, profile=True)
+        inside = sum(stats.stage_seconds.get(name, 0.0) for name in ROUND_STAGES)
+        rounds = stats.stage_seconds["rounds"]
+        assert 0.85 * rounds <= inside <= rounds, (drafter.name, dict(stats.stage_seconds))

@@ -485,3 +485,17 @@ def test_bind_casts_the_draft_to_the_target_dtype(target):
     assert {p.dtype for p in draft.parameters()} == {torch.bfloat16}
     block = draft.block_embeddings(torch.tensor([5]), torch.tensor([6]), torch.zeros(1, target.config.hidden_size))
     assert block.dtype == torch.bfloat16
+
+
+def test_rope_frequencies_stay_float32_when_the_draft_is_cast(target):
+    draft = DMTPDraftModel(tiny_draft_config())
+    exact = draft.rotary_emb.inv_freq.clone()
+    assert exact.dtype == torch.float32
+    draft.to(torch.bfloat16)
+    assert draft.fc.weight.dtype == torch.bfloat16  # the weights are cast...
+    for name in ("inv_freq", "original_inv_freq"):  # ...the frequencies are not
+        assert getattr(draft.rotary_emb, name).dtype == torch.float32
+        assert torch.equal(getattr(draft.rotary_emb, name), exact)
+    bf16_target = tiny_qwen3_target().to(torch.bfloat16)
+    bound = DMTPDraftModel(tiny_draft_config()).bind(bf16_target)  # bind casts the draft to the target's dtype
+    assert bound.fc.weight.dtype == torch.bfloat16 and torch.equal(bound.rotary_emb.inv_freq, exact)

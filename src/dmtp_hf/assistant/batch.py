@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .target_step import TargetStep
+
 
 def append_right_aligned(
     prefix: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor, width: int, pad: int
@@ -33,6 +35,11 @@ class Accepted:
     counts: torch.Tensor
     accepted: torch.Tensor
     stop: torch.Tensor  # [B] the row ends with this round
+
+    def committed(self, positions: torch.Tensor, mtp_hidden, features) -> TargetStep:
+        """What the drafter learns from this round: the verify's K + 1 positions, the first ``counts[b]`` real."""
+        steps = torch.arange(positions.shape[1], device=positions.device)
+        return TargetStep(positions, self.new_tokens, steps[None] < self.counts[:, None], mtp_hidden, features)
 
 
 class ActiveBatch:

@@ -12,6 +12,15 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+_POOLS: dict[torch.device, object] = {}
+
+
+def _shared_pool(device: torch.device):
+    """One memory pool per device for every captured stage (graphs replay one at a time, never concurrently)."""
+    if device not in _POOLS:
+        _POOLS[device] = torch.cuda.graph_pool_handle()
+    return _POOLS[device]
+
 
 class CUDAGraphCall:
     """Call ``fn`` through CUDA graphs captured once per input signature (shapes and dtypes, e.g. per batch size).
@@ -79,7 +88,7 @@ class CUDAGraphCall:
                     restore()
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, pool=_shared_pool(inputs[0].device)):
                 outputs = self.fn(*static_inputs)
         finally:
             restore()  # the state is as before the call whatever happened (capture itself runs no kernel)

@@ -107,9 +107,18 @@ def prefill(runner: TargetRunner, input_ids, attention_mask, max_length: int, pa
     return batch, prompt_mask, step, scores
 
 
-def record(requests: list[RequestStats], accepted_host: list[int], counts_host: list[int]) -> None:
-    """Add one round to each active row's statistics (rows that committed nothing are not counted)."""
-    for request, accepted, count in zip(requests, accepted_host, counts_host, strict=True):
+def report(requests: list[RequestStats], batch: ActiveBatch, accepted_host, counts_host, round_, streamer, prompt=None):
+    """Add the round to each active row's statistics (rows that committed nothing are not counted) and hand its
+    tokens to the streamer (batch size 1). With ``prompt``: stream the prompt and the first token instead."""
+    if prompt is not None:
+        if streamer is not None:
+            streamer.put(prompt.cpu()), streamer.put(batch.prefix[:, -1].cpu())
+        return
+    if streamer is not None and counts_host[0]:
+        streamer.put(round_.new_tokens[0, : counts_host[0]].cpu())
+    for request, accepted, count in zip(
+        [requests[r] for r in batch.rows_host], accepted_host, counts_host, strict=True
+    ):
         if count:
             request.rounds += 1
             request.hist[accepted] += 1
@@ -201,43 +210,44 @@ def speculative_decode(
             state = TargetCacheState(target, cache, prompt_mask, rollback, runner.replay)
         batch.stop(stopping.after_prefill(batch, scores))
         select.for_batch(processors, batch)
-        if streamer is not None:
-            streamer.put(input_ids.cpu()), streamer.put(batch.prefix[:, -1].cpu())
+        report(requests, batch, None, None, None, streamer, prompt=input_ids)
         if not batch.done:
             with stats.stage("draft_prefill"):
                 drafter.reserve(max_length + 1)
                 drafter.start(step)
-        while not batch.done:
-            # 1. Draft: K candidates per row after the committed tokens.
-            proposal = drafter.propose(batch.prefix, batch.anchor_positions, select, stats)
-            candidates = proposal.tokens  # [B, K]
-            # 2. Verify: one target forward over [A, T1..TK] at each row's positions a .. a+K.
-            with stats.stage("verify"):
-                verify_ids, verify_positions = batch.verify_inputs(candidates)
-                with state.verifying(verify_ids, verify_positions):
-                    mask = state.attention_mask(verify_ids.shape[1], target.dtype)
-                    logits, features, mtp_hidden = runner.forward(verify_ids, verify_positions, mask)
-                scores = processors.block(logits, batch, candidates)
-                # 3. Accept the longest valid prefix, plus one bonus/correction token per row.
-                verdict = verify(mode, candidates, scores, proposal.scores, select.do_sample)
-                round_ = accept(verdict, candidates, scores, batch, stopping)
-            # 4. Commit the tokens, then the target cache: A and the kept candidates become history.
-            counts_host, accepted_host = batch.commit(round_)
-            with stats.stage("rollback"):
-                state.commit(round_.counts.clamp(min=1), [max(c, 1) for c in counts_host])
-            record([requests[row] for row in batch.rows_host], accepted_host, counts_host)
-            stream(streamer, round_.new_tokens[:, : counts_host[0]])
-            if on_round is not None:
-                on_round(cache, batch.prefix)
-            kept = torch.arange(verify_ids.shape[1], device=verify_ids.device)[None] < round_.counts[:, None]
-            step = TargetStep(verify_positions, round_.new_tokens, kept, mtp_hidden, features)
-            if any(batch.finished_host) and not batch.done:
-                step, counts_host = leave(batch, drafter, state, step, counts_host)
-            # 5. Advance the drafter with the committed positions.
-            if not batch.done:
-                width = max(counts_host)
-                drafter.advance(step if drafter.fixed_slots else step.narrow(width, min(counts_host) == width), stats)
-                batch.anchor_positions = batch.anchor_positions + step.valid().sum(-1)
+        with stats.stage("rounds"):  # every stage below runs inside; the stage times add up to this one
+            while not batch.done:
+                # 1. Draft: K candidates per row after the committed tokens.
+                proposal = drafter.propose(batch.prefix, batch.anchor_positions, select, stats)
+                candidates = proposal.tokens  # [B, K]
+                # 2. Verify: one target forward over [A, T1..TK] at each row's positions a .. a+K.
+                with stats.stage("verify"):
+                    verify_ids, verify_positions = batch.verify_inputs(candidates)
+                    with state.verifying(verify_ids, verify_positions):
+                        mask = state.attention_mask(verify_ids.shape[1], target.dtype)
+                        logits, features, mtp_hidden = runner.forward(verify_ids, verify_positions, mask)
+                    scores = processors.block(logits, batch, candidates)
+                    # 3. Accept the longest valid prefix, plus one bonus/correction token per row.
+                    verdict = verify(mode, candidates, scores, proposal.scores, select.do_sample)
+                    round_ = accept(verdict, candidates, scores, batch, stopping)
+                # 4. Commit the tokens, then the target cache: A and the kept candidates become history.
+                with stats.stage("commit"):
+                    counts_host, accepted_host = batch.commit(round_)
+                    report(requests, batch, accepted_host, counts_host, round_, streamer)
+                with stats.stage("rollback"):
+                    state.commit(round_.counts.clamp(min=1), [max(c, 1) for c in counts_host])
+                if on_round is not None:
+                    on_round(cache, batch.prefix)
+                step = round_.committed(verify_positions, mtp_hidden, features)
+                if any(batch.finished_host) and not batch.done:
+                    step, counts_host = leave(batch, drafter, state, step, counts_host)
+                # 5. Advance the drafter with the committed positions.
+                if not batch.done:
+                    width = max(counts_host)
+                    drafter.advance(
+                        step if drafter.fixed_slots else step.narrow(width, min(counts_host) == width), stats
+                    )
+                    batch.anchor_positions = batch.anchor_positions + step.valid().sum(-1)
     finally:
         runner.close()
         if state is not None:
@@ -245,12 +255,6 @@ def speculative_decode(
         if streamer is not None:
             streamer.end()
     return batch.sequences(input_ids), stats
-
-
-def stream(streamer, tokens: torch.Tensor) -> None:
-    """Hand a round's committed tokens (batch size 1) to the streamer, if any."""
-    if streamer is not None and tokens.numel():
-        streamer.put(tokens[0].cpu())
 
 
 def leave(batch: ActiveBatch, drafter: Drafter, state: TargetCacheState, step: TargetStep, counts_host: list[int]):

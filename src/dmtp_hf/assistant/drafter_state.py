@@ -220,11 +220,21 @@ class SlotCache:
         self.positions: torch.Tensor | None = None  # [B, capacity + 1] position of each entry (FAR if none)
         self._write_index: torch.Tensor | None = None  # [B, S] where the forward in flight writes
 
-    def reset(self, batch_size: int, device: torch.device) -> None:
-        """Empty the cache for ``batch_size`` rows (buffers are allocated by the first ``update`` of each layer)."""
+    def reset(self, batch_size: int, device: torch.device) -> bool:
+        """Empty the cache for ``batch_size`` rows; returns whether buffers were (re)allocated.
+
+        Same batch size and device: reset in place (lengths to 0; K/V contents become unreachable), so graphs
+        captured on these buffers stay valid across ``generate`` calls. Otherwise new buffers (K/V are allocated by
+        the first ``update`` of each layer).
+        """
+        if self.lengths is not None and self.lengths.shape[0] == batch_size and self.lengths.device == device:
+            self.lengths.zero_()
+            self.positions.fill_(FAR)
+            return False
         self.keys, self.values = {}, {}
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.positions = torch.full((batch_size, self.capacity + 1), FAR, dtype=torch.long, device=device)
+        return True
 
     def prepare(self, valid: torch.Tensor, positions: torch.Tensor) -> None:
         """Reserve the slots of the next forward: ``valid`` ``[B, S]`` bool, ``positions`` ``[B, S]``."""
@@ -307,14 +317,17 @@ class MTPSlots:
         self.next_position.copy_(torch.where(has_pair, new_position, self.next_position))
 
     def prefill(self, step: TargetStep) -> None:
-        """Start the sequences of a batch with all prompt pairs (any length, run eagerly)."""
+        """Start the sequences of a batch with all prompt pairs (any length, run eagerly). Buffers and captured
+        graphs are reused when the batch size is the previous call's."""
         batch = step.next_tokens.shape[0]
-        self.cache.reset(batch, step.next_tokens.device)
-        self._advance.reset()
-        self.last_hidden = step.mtp_hidden.new_zeros(batch, step.mtp_hidden.shape[-1]).to(
-            self.head.projection.weight.dtype
-        )
-        self.next_position = torch.zeros(batch, dtype=torch.long, device=step.next_tokens.device)
+        if self.cache.reset(batch, step.next_tokens.device) or self.last_hidden is None:
+            self._advance.reset()
+            hidden = step.mtp_hidden.shape[-1]
+            self.last_hidden = step.mtp_hidden.new_zeros(batch, hidden, dtype=self.head.projection.weight.dtype)
+            self.next_position = torch.zeros(batch, dtype=torch.long, device=step.next_tokens.device)
+        else:
+            self.last_hidden.zero_()
+            self.next_position.zero_()
         self._consume(step.next_tokens, step.mtp_hidden, step.positions, step.valid())
 
     def advance(self, step: TargetStep) -> None:
@@ -343,6 +356,10 @@ class MTPSlots:
             tokens.append(select(logits[-1]))
         self.cache.lengths.copy_(saved_lengths)
         return torch.stack(tokens, dim=1), torch.stack(logits, dim=1)
+
+    def graph_calls(self) -> list[CUDAGraphCall]:
+        """The captured stages (their replay counts, capture times and failures)."""
+        return [self._advance]
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only batch ``rows`` (graphs are recaptured for the new batch size)."""
@@ -443,9 +460,10 @@ class SlotDFlashContext(_ContextBase):
         self._forward = CUDAGraphCall(self._block_forward, self.cache.state, enabled=cuda_graphs)
 
     def start(self, step: TargetStep) -> None:
-        """Empty slots for the batch; queue the prompt features."""
-        self.cache.reset(step.positions.shape[0], step.positions.device)
-        self._forward.reset()
+        """Empty slots for the batch (in place when its size is the previous call's: graphs stay valid); queue the
+        prompt features."""
+        if self.cache.reset(step.positions.shape[0], step.positions.device):
+            self._forward.reset()
         self._prompt_block = True
         super().start(step)
 
@@ -476,6 +494,10 @@ class SlotDFlashContext(_ContextBase):
             attention_mask=masks,
             cache=self.cache,
         ).last_hidden_state
+
+    def graph_calls(self) -> list[CUDAGraphCall]:
+        """The captured stages (their replay counts, capture times and failures)."""
+        return [self._forward]
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only batch ``rows`` of the slots and of queued features (graphs are recaptured)."""

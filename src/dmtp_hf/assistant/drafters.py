@@ -202,10 +202,26 @@ class _StatefulDrafter(Drafter):
             )
 
     def _new_mtp_state(self, head: NativeMTPHead) -> MTPCache | MTPSlots:
-        return MTPSlots(head, self.capacity, self.cuda_graphs) if self.fixed_slots else MTPCache(head)
+        """Fixed slots of the same capacity are reused (reset in place by ``prefill``: captured graphs survive)."""
+        if not self.fixed_slots:
+            return MTPCache(head)
+        if isinstance(self.mtp, MTPSlots) and self.mtp.cache.capacity == self.capacity:
+            return self.mtp
+        return MTPSlots(head, self.capacity, self.cuda_graphs)
 
     def _new_context(self, draft: DMTPDraftModel) -> DFlashContext | SlotDFlashContext:
-        return SlotDFlashContext(draft, self.capacity, self.cuda_graphs) if self.fixed_slots else DFlashContext(draft)
+        """Fixed slots of the same capacity are reused (reset in place by ``start``: captured graphs survive)."""
+        if not self.fixed_slots:
+            return DFlashContext(draft)
+        if isinstance(self.context, SlotDFlashContext) and self.context.cache.capacity == self.capacity:
+            return self.context
+        return SlotDFlashContext(draft, self.capacity, self.cuda_graphs)
+
+    def graph_calls(self) -> list:
+        """Every captured stage of the fixed-slot state (empty for the dynamic state)."""
+        return [
+            call for state in (self.mtp, self.context) if hasattr(state, "graph_calls") for call in state.graph_calls()
+        ]
 
     def select_rows(self, rows: torch.Tensor) -> bool:
         """Drop finished rows from every piece of state."""

