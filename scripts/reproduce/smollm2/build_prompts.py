@@ -23,6 +23,7 @@ from pathlib import Path
 
 NAMES = ["Ava", "Ben", "Chloe", "Diego", "Emma", "Farid", "Grace", "Hiro", "Ines", "Jonas", "Kira", "Liam", "Maya",
          "Noah", "Olga", "Priya", "Quinn", "Rosa", "Sam", "Tara"]  # fmt: skip
+SAMPLE = {"code": 1200, "chat": 600}  # sizes of the random samples the requested counts are taken from
 ITEMS = ["apples", "pencils", "stickers", "marbles", "cookies", "books", "stamps", "shells", "cards", "eggs"]
 
 
@@ -80,18 +81,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--corpus", default="outputs/corpus", help="output folder of build_corpus.py")
     parser.add_argument("--out", default="outputs/smollm2/prompts")
-    parser.add_argument("--code", type=int, default=1200, help="code requests")
-    parser.add_argument("--chat", type=int, default=600, help="two-turn chats")
+    parser.add_argument("--code", type=int, default=500, help="code requests (at most 1,200)")
+    parser.add_argument("--chat", type=int, default=250, help="two-turn chats (at most 600)")
     parser.add_argument("--math", type=int, default=800, help="math word problems")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     corpus, out = Path(args.corpus), Path(args.out)
     rng = random.Random(args.seed)
+    # Fixed-size random samples, then the first N of each: a smaller N gives a prefix of a larger one's file.
     code = _read(corpus / "train_code_chat.jsonl")
-    code = [{"id": r["id"], "messages": r["messages"][:1]} for r in rng.sample(code, min(args.code, len(code)))]
-    chat = _read(corpus / "train_chat_2turn.jsonl")
-    chat = [r for r in chat if len(r["messages"]) == 3]
-    chat = rng.sample(chat, min(args.chat, len(chat)))
+    code = [{"id": r["id"], "messages": r["messages"][:1]} for r in rng.sample(code, min(SAMPLE["code"], len(code)))]
+    chat = [r for r in _read(corpus / "train_chat_2turn.jsonl") if len(r["messages"]) == 3]
+    chat = rng.sample(chat, min(SAMPLE["chat"], len(chat)))
+    code, chat = code[: args.code], chat[: args.chat]
     _write(out / "train_code.jsonl", code)
     _write(out / "train_chat.jsonl", chat)
     _write(out / "train_math.jsonl", math_records(args.math, args.seed))

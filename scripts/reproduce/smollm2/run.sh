@@ -17,7 +17,7 @@ $DMTP setup-target smollm2 $OUT/target
 # 2. prompts (stdlib code requests, chitchat two-turn chats, template math problems) and the target's own answers
 [ -f outputs/corpus/train_code_chat.jsonl ] || $PY scripts/reproduce/build_corpus.py --out outputs/corpus
 [ -f $OUT/prompts/train_math.jsonl ] || $PY scripts/reproduce/smollm2/build_prompts.py --corpus outputs/corpus \
-    --out $OUT/prompts --code 700 --chat 400 --math 800
+    --out $OUT/prompts --code 500 --chat 250 --math 800
 bash scripts/reproduce/smollm2/regenerate.sh $OUT/target $OUT/prompts $OUT/regenerated
 
 # 3. offline features: the draft's target layers and the hidden the MTP head reads (bf16 on disk)
