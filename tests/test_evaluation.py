@@ -511,7 +511,9 @@ def test_push_to_stand_in_repo_and_load_back_offline(eval_run, models_dir, tmp_p
     assert main([*argv, "--training-data", "tiny random data", "--private"]) == 0
     assert "pushed" in capsys.readouterr().out
     assert _CacheStandInApi.calls[0] == ("create_repo", "org/tiny-dmtp", True)
-    assert _CacheStandInApi.calls[1][2] == ["README.md", "config.json", "dmtp_eval.json", "model.safetensors"]
+    uploaded = _CacheStandInApi.calls[1][2]
+    assert {"README.md", "config.json", "dmtp_eval.json", "model.safetensors", "modeling_dmtp.py"} <= set(uploaded)
+    assert "custom_generate" in uploaded  # the repo carries its own code (tests/test_hub.py runs it)
 
     # Load back through the Hub code path, offline, in a fresh interpreter (HF_HUB_* are read at import time).
     script = textwrap.dedent(
@@ -554,7 +556,8 @@ def test_push_to_stand_in_repo_and_load_back_offline(eval_run, models_dir, tmp_p
 def test_push_without_upload_writes_the_folder(models_dir, tmp_path, capsys):
     folder = tmp_path / "repo"
     assert main(["push", str(models_dir / "dflash"), "org/tiny-dflash", "--local-dir", str(folder), "--no-upload"]) == 0
-    assert {p.name for p in folder.iterdir()} == {"README.md", "config.json", "model.safetensors"}
+    names = {p.name for p in folder.iterdir()}
+    assert {"README.md", "config.json", "model.safetensors", "modeling_dmtp.py", "custom_generate"} <= names
     card = (folder / "README.md").read_text()
     assert "`dflash`" in card and "No evaluation results" in card
     assert main(["push", str(models_dir / "dflash"), "not-a-repo-id", "--local-dir", str(folder), "--no-upload"]) == 2

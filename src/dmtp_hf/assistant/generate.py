@@ -33,6 +33,14 @@ class DMTPGenerateOutput(GenerateDecoderOnlyOutput):
     spec_stats: SpecStats | None = None
 
 
+def _is_a(obj: Any, cls: type) -> bool:
+    """``isinstance``, or the same class loaded from another copy of this code (a Hub repo's remote modules)."""
+    return isinstance(obj, cls) or any(
+        base.__name__ == cls.__name__ and base.__module__.rsplit(".", 1)[-1].endswith(cls.__module__.rsplit(".", 1)[-1])
+        for base in type(obj).__mro__
+    )
+
+
 def as_drafter(
     assistant: Any, *, strategy: str | None = None, mtp_steps: int = 1, fast_path: bool = False,
     cuda_graphs: bool = True,
@@ -48,9 +56,9 @@ def as_drafter(
     if isinstance(assistant, Drafter):
         return assistant
     backend = {"fixed_slots": fast_path, "cuda_graphs": cuda_graphs}
-    if isinstance(assistant, NativeMTPHead):
+    if _is_a(assistant, NativeMTPHead):
         return MTPDrafter(assistant, mtp_steps, **backend)
-    if not isinstance(assistant, DMTPDraftModel):
+    if not _is_a(assistant, DMTPDraftModel):
         return None
     strategy = strategy or ("dflash" if assistant.config.anchor_layout == "dflash" else "dmtp")
     if strategy == "dflash":

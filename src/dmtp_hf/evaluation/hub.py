@@ -14,8 +14,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from huggingface_hub import HfApi
+from huggingface_hub import HfApi, ModelCard, ModelCardData
 
+from .remote_code import AUTO_MAP, write_remote_code
 from .report import ALL, _fmt, _pct, _table, comparison_pairs, dataset_rows
 
 CARD_TEMPLATE = "dmtp_card.md"
@@ -95,6 +96,7 @@ def render_model_card(
     target: str | None = None,
     training_data: str | None = None,
     license: str = "apache-2.0",
+    datasets: list[str] | None = None,
     template: str | None = None,
 ) -> str:
     """The README of a DMTP draft repo: its config (layout, fusion, candidates), target, training data and, when
@@ -109,10 +111,7 @@ def render_model_card(
     values = {
         "title": repo_id.split("/")[-1],
         "repo_id": repo_id,
-        # Hub metadata only accepts repo ids: a local target path stays out of the front matter.
-        "base_model_yaml": f"base_model: {target}" if _is_hub_id(target) else "",
         "target_link": f"[`{target}`](https://huggingface.co/{target})" if _is_hub_id(target) else f"`{target}`",
-        "license": license,
         "target": target,
         "target_model_type": model_type or "unknown",
         "mtp_source": dmtp.get("mtp_source") or "the family's MTP tensors",
@@ -126,7 +125,20 @@ def render_model_card(
         "training_data": training_data or dmtp.get("training_data") or "not specified",
         "evaluation": evaluation_section(results),
     }
-    return string.Template(template or card_template_text()).substitute(values)
+    body = string.Template(template or card_template_text()).substitute(values)
+    data = ModelCardData(
+        library_name="dmtp-hf",
+        pipeline_tag="text-generation",
+        # Hub metadata only accepts repo ids: a local target path stays out of the front matter.
+        base_model=target if _is_hub_id(target) else None,
+        tags=["speculative-decoding", "dmtp", "dflash", "mtp", "multi-token-prediction"],
+        license=license,
+        datasets=list(datasets) if datasets else None,
+    )
+    card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}")
+    if card.data.to_dict() != data.to_dict():  # the header must read back as written
+        raise ValueError("the model card's metadata does not round-trip through huggingface_hub")
+    return str(card)
 
 
 def prepare_repo_folder(
@@ -138,8 +150,9 @@ def prepare_repo_folder(
     training_data: str | None = None,
     target: str | None = None,
 ) -> Path:
-    """Write a Hub-ready folder: ``config.json`` + ``model.safetensors`` (re-saved after strict loading, so a
-    broken checkpoint never reaches the Hub), ``README.md`` (the card) and the eval JSON if given."""
+    """Write a Hub-ready folder: ``config.json`` (with ``auto_map``) + ``model.safetensors`` (re-saved after strict
+    loading, so a broken checkpoint never reaches the Hub), the repo's own code (``remote_code.py``: modeling files
+    and ``custom_generate/``), ``README.md`` (the card) and the eval JSON if given."""
     from ..modeling import DMTPDraftModel
 
     if not _REPO_ID.match(repo_id):
@@ -155,6 +168,12 @@ def prepare_repo_folder(
     model = DMTPDraftModel.from_pretrained(checkpoint)
     folder = Path(folder)
     model.save_pretrained(folder)
+    # The repo carries its own code: AutoModel with trust_remote_code, and custom_generate for the engine.
+    write_remote_code(folder)
+    config_file = folder / "config.json"
+    config = json.loads(config_file.read_text())
+    config["auto_map"] = dict(AUTO_MAP)
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     card = render_model_card(model.config, repo_id, results=results, target=target, training_data=training_data)
     (folder / "README.md").write_text(card)
     if results is not None:

@@ -271,7 +271,8 @@ class DMTPConfig(Qwen3Config):
         if config_dict.get("_loaded_from_dflash") or saved == "none" or saved_layout == "dflash":
             config_dict["_checkpoint_without_fusion"] = True
         config_dict.pop("model_type", None)
-        config_dict.pop("auto_map", None)
+        if config_dict.get("_loaded_from_dflash"):
+            config_dict.pop("auto_map", None)  # a DFlash repo's remote code is DFlash's, not this draft's
         config_dict["architectures"] = ["DMTPDraftModel"]
         return super().from_dict(config_dict, **kwargs)
 

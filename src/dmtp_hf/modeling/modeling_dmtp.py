@@ -41,6 +41,7 @@ from transformers.utils import logging as hf_logging
 from .attention_masks import attention_mask_for_implementation, dflash_visibility
 from .configuration_dmtp import DMTPConfig, require_local_directory
 from .io import save_dflash_checkpoint
+from .native_mtp.loading import load_native_mtp
 
 # ----------------------------------------------------------------------------------------------------
 # 1. Backbone (visibility: attention_masks.py)
@@ -340,8 +341,6 @@ class DMTPDraftModel(DMTPPreTrainedModel):
     def native_mtp(self) -> nn.Module:
         """The target's native MTP head (loaded from the target checkpoint on first use, then cached)."""
         if self.__dict__.get("_native_mtp") is None:
-            from .native_mtp import load_native_mtp
-
             self.__dict__["_native_mtp"] = load_native_mtp(self.target, hidden_input=self.config.mtp_hidden_input)
         return self.__dict__["_native_mtp"]
 
