@@ -236,7 +236,7 @@ def test_dflash_checkpoint_round_trips_in_dflash_layout(tmp_path, target):
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
     assert config["block_size"] == 16 and config["num_target_layers"] == 4
-    assert config["dflash_config"] == {"mask_token_id": VOCAB - 1, "target_layer_ids": [0, 2]}
+    assert config["dflash_config"] == {"mask_token_id": VOCAB - 1, "target_layer_ids": [0, 2], "block_size": 16}
     assert "dmtp_config" not in config
     written = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert written.keys() == raw.keys()

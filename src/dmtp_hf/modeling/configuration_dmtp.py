@@ -65,6 +65,13 @@ def require_local_directory(path: str | os.PathLike) -> None:
         raise FileNotFoundError(f"No checkpoint directory at {text!r}.")
 
 
+# Draft architectures that look like DFlash but compute something else: refused with the reason, never half-loaded.
+UNSUPPORTED_ARCHITECTURES = {
+    "DFlash2DraftModel": "DFlash2 adds a candidate selector (candidate_selector.*) and convolution kernels "
+    "(attention_conv / mlp_conv, dflash_config.selector_top_k / conv_kernel_size) this package does not implement.",
+}
+
+
 def is_dflash_config_dict(config_dict: dict[str, Any]) -> bool:
     """True for a config written in the DFlash (z-lab / SpecForge) layout rather than by DMTP."""
     if "dmtp_config" in config_dict:
@@ -262,6 +269,11 @@ class DMTPConfig(Qwen3Config):
     def from_dict(cls, config_dict: dict[str, Any], **kwargs) -> DMTPConfig:
         """Build from a DMTP or an unmodified DFlash ``config.json`` dictionary."""
         config_dict = dict(config_dict)
+        unsupported = [a for a in config_dict.get("architectures") or () if a in UNSUPPORTED_ARCHITECTURES]
+        if unsupported:
+            raise NotImplementedError(
+                f"{unsupported[0]} checkpoints are not supported: {UNSUPPORTED_ARCHITECTURES[unsupported[0]]}"
+            )
         if is_dflash_config_dict(config_dict):
             config_dict["_loaded_from_dflash"] = True
         # What the checkpoint's own fusion was, before any override: a checkpoint saved without fusion weights
@@ -309,6 +321,8 @@ class DMTPConfig(Qwen3Config):
         out["model_type"] = "qwen3"
         out["architectures"] = ["DFlashDraftModel"]
         dflash = dict(out.get("dflash_config") or {})
+        # block_size at the top level and in dflash_config: some converters read only one of them.
+        dflash["block_size"] = self.block_size
         out["dflash_config"] = dflash
         out["block_size"] = self.block_size
         if self.num_target_layers is not None:

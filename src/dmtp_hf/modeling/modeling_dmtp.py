@@ -326,6 +326,9 @@ class DMTPDraftModel(DMTPPreTrainedModel):
         differs from the target's (e.g. an fp32 checkpoint next to a bf16 target) is cast to the target's dtype:
         it consumes the target's embeddings and features and feeds its LM head.
         """
+        text = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+        if self.config.num_target_layers is None:  # older configs omit it: the bound target says, not the draft
+            self.config.num_target_layers = text.num_hidden_layers
         check_draft_target_compatibility(self.config, target)
         target_dtype = target.get_input_embeddings().weight.dtype
         own = next((p.dtype for p in self.parameters() if p.is_floating_point()), target_dtype)
