@@ -5,6 +5,7 @@ Everything runs on the tiny qwen3_5 target (vocab 128, hidden 32, 2 layers, rand
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -467,13 +468,22 @@ def test_accelerate_launch_two_processes_matches_one(tmp_path, target_dir):
     config_file.write_text(yaml.safe_dump(values))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": ""}
     command = [
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-        str(REPO / "scripts" / "finetune.py"), "--config", str(config_file),
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+        str(REPO / "configs" / "accelerate" / "ddp_cpu.yaml"), str(REPO / "scripts" / "finetune.py"),
+        "--config", str(config_file), "--set", "save_every=2", "--set", "resume_from=auto",
     ]  # fmt: skip
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "trained 3 steps on 2 process(es)" in result.stdout  # really distributed (gloo), printed once
+    straight = DMTPDraftModel.from_pretrained(tmp_path / "ddp" / "final").state_dict()
+    # Exact resume with 2 processes: drop what came after the step-2 checkpoint and run again.
+    shutil.rmtree(tmp_path / "ddp" / "final")
+    for later in (tmp_path / "ddp" / "checkpoints").glob("step-0000000[3-9]"):
+        shutil.rmtree(later)
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "resumed from" in result.stdout, result.stderr[-3000:]
+    resumed = DMTPDraftModel.from_pretrained(tmp_path / "ddp" / "final").state_dict()
+    assert all(torch.equal(resumed[k], v) for k, v in straight.items())
 
     # one process, same global batch (4 = 2 processes x 2)
     single = make_config(

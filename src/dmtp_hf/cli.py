@@ -1,5 +1,5 @@
 """The ``dmtp`` command: ``demo``, ``convert``, ``info``, ``export-mtp``, ``setup-target``, ``eval``, ``bench``,
-``push``, ``train``, ``regenerate``, ``extract``.
+``push``, ``train``, ``regenerate``, ``extract``, ``serve``.
 
 Every subcommand turns expected failures (bad paths, incompatible checkpoints) into a one-line error and a
 non-zero exit code instead of a stack trace.
@@ -134,6 +134,7 @@ _DELEGATED = {
     "train": ("dmtp_hf.training.trainer", "train a DMTP/DFlash draft and/or the native MTP head from a YAML config"),
     "regenerate": ("dmtp_hf.training.regenerate", "rewrite a chat JSONL's assistant turns with the target"),
     "extract": ("dmtp_hf.training.features", "write offline target/MTP feature shards for training"),
+    "serve": ("dmtp_hf.serving", "a small OpenAI-compatible chat endpoint over a target (and a draft)"),
 }
 
 

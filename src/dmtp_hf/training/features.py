@@ -268,15 +268,22 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--shard-size", type=int, default=1024)
     parser.add_argument("--dtype", default="bfloat16", help="storage dtype of float features (or 'keep')")
     parser.add_argument("--device", default=None)
+    parser.add_argument(
+        "--device-map", default=None, help="e.g. auto: spread a big target over this process's GPUs (Accelerate)"
+    )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``dmtp extract``: tokenize a dataset, run the frozen target and MTP head, write feature shards."""
 
+    from accelerate import PartialState
+
     args = _parser().parse_args(argv)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    target = load_target(args.target, dtype="auto", device=device)
+    # Under `accelerate launch`, every process extracts its own shards (shard k goes to rank k % world size).
+    state = PartialState(cpu=not torch.cuda.is_available())
+    device = args.device or str(state.device)
+    target = load_target(args.target, dtype="auto", device=args.device_map or device)
     layer_ids = [int(i) for i in args.target_layer_ids.split(",")]
     head = None if args.no_mtp else freeze(load_native_mtp(target, hidden_input=args.hidden_input))
     thinking = {"true": True, "false": False, "unset": None}[args.enable_thinking]
@@ -286,11 +293,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )  # fmt: skip
     dtype = None if args.dtype == "keep" else getattr(torch, args.dtype)
     extractor = FeatureExtractor(target, layer_ids, head, hidden_input=args.hidden_input, head_inputs=args.head_inputs)
-    out = extract_features(
-        extractor, dataset, args.output, batch_size=args.batch_size, shard_size=args.shard_size, dtype=dtype,
-        metadata={"target": str(args.target), "data": str(args.data)},
-    )  # fmt: skip
-    print(f"wrote {len(dataset)} samples to {out}")
+    options = dict(batch_size=args.batch_size, shard_size=args.shard_size, dtype=dtype,
+                   metadata={"target": str(args.target), "data": str(args.data)})  # fmt: skip
+    extract_features(extractor, dataset, args.output, rank=state.process_index, world_size=state.num_processes,
+                     write_index=False, progress=state.is_main_process, **options)  # fmt: skip
+    state.wait_for_everyone()
+    if state.is_main_process:  # every shard exists now: only the index is written
+        out = extract_features(extractor, dataset, args.output, progress=False, **options)
+        print(f"wrote {len(dataset)} samples to {out} ({state.num_processes} process(es))")
     return 0
 
 

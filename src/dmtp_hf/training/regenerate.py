@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from .data import conversation_from_record, read_jsonl
 
-__all__ = ["completed_ids", "main", "regenerate"]
+__all__ = ["EndpointError", "completed_ids", "main", "regenerate", "regenerate_endpoint"]
 
 
 def completed_ids(output_path: str | os.PathLike) -> set[str]:
@@ -79,14 +79,7 @@ def regenerate(
     if enable_thinking is not None:
         template_kwargs["enable_thinking"] = enable_thinking
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    done = completed_ids(output_path)
-    todo = []
-    for line_no, record in read_jsonl(input_path):
-        record_id = str(record.get("id", line_no))
-        if record_id not in done:
-            todo.append((record_id, conversation_from_record(record, f"{input_path}:{line_no}")))
-        if limit is not None and len(todo) + len(done) >= limit:
-            break
+    todo = _records_to_do(input_path, output_path, limit)
 
     device = next(target.parameters()).device
     sampling = {"do_sample": False} if temperature == 0 else {"do_sample": True, "temperature": temperature}
@@ -126,12 +119,122 @@ def regenerate(
     return written
 
 
+class EndpointError(RuntimeError):
+    """A record could not be regenerated through the endpoint (after the retries); the message names it."""
+
+
+def _records_to_do(input_path, output_path, limit: int | None) -> list[tuple[str, list[dict[str, str]]]]:
+    done = completed_ids(output_path)
+    todo = []
+    for line_no, record in read_jsonl(input_path):
+        record_id = str(record.get("id", line_no))
+        if record_id not in done:
+            todo.append((record_id, conversation_from_record(record, f"{input_path}:{line_no}")))
+        if limit is not None and len(todo) + len(done) >= limit:
+            break
+    return todo
+
+
+def _chat_completion(url: str, payload: dict[str, Any], record_id: str, retries: int, timeout: float) -> str:
+    """One chat completion through an OpenAI-compatible server, retried with exponential backoff."""
+    import time
+    import urllib.error
+    import urllib.request
+
+    body = json.dumps(payload).encode("utf-8")
+    for attempt in range(retries + 1):
+        request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                return json.loads(response.read())["choices"][0]["message"]["content"]
+        except urllib.error.HTTPError as err:
+            detail = err.read().decode("utf-8", "replace")[:500]
+            message = f"record {record_id!r}: the server answered {err.code}: {detail}"
+        except (urllib.error.URLError, TimeoutError, OSError, KeyError, json.JSONDecodeError) as err:
+            message = f"record {record_id!r}: {type(err).__name__}: {err}"
+        if attempt == retries:
+            raise EndpointError(message)
+        time.sleep(min(30.0, 0.5 * 2**attempt))
+    raise AssertionError("unreachable")
+
+
+def regenerate_endpoint(
+    endpoint: str,
+    input_path: str | os.PathLike,
+    output_path: str | os.PathLike,
+    *,
+    model: str = "default",
+    concurrency: int = 8,
+    temperature: float = 0.0,
+    top_p: float | None = None,
+    max_tokens: int = 2048,
+    enable_thinking: bool | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    limit: int | None = None,
+    retries: int = 4,
+    timeout: float = 600.0,
+    progress: bool = True,
+) -> int:
+    """Like :func:`regenerate`, through any OpenAI-compatible chat-completions server (vLLM, SGLang, TGI,
+    llama.cpp server, ``dmtp serve``): ``concurrency`` records at a time, each record's turns in order.
+
+    The thinking switch goes to the server as ``chat_template_kwargs``. Resumable: completed ids are skipped and a
+    record is written only once all its turns are back. Returns the number of records written.
+    """
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+    from threading import Lock
+
+    url = endpoint.rstrip("/")
+    url = (
+        url
+        if url.endswith("/chat/completions")
+        else (url if url.endswith("/v1") else url + "/v1") + "/chat/completions"
+    )
+    template_kwargs = dict(chat_template_kwargs or {})
+    if enable_thinking is not None:
+        template_kwargs["enable_thinking"] = enable_thinking
+    sampling = {"temperature": temperature, "max_tokens": max_tokens, **({"top_p": top_p} if top_p else {})}
+    if template_kwargs:
+        sampling["chat_template_kwargs"] = template_kwargs
+    todo = _records_to_do(input_path, output_path, limit)
+
+    def one(record_id: str, source: list[dict[str, str]]) -> dict[str, Any]:
+        history: list[dict[str, str]] = []
+        for end in _turns_to_generate(source):
+            history.extend(source[len(history) : end])
+            reply = _chat_completion(url, {"model": model, "messages": history, **sampling}, record_id, retries,
+                                     timeout)  # fmt: skip
+            history.append({"role": "assistant", "content": reply})
+        history.extend(source[len(history) :])
+        return {"id": record_id, "messages": history}
+
+    written, lock = 0, Lock()
+    Path(output_path).parent.mkdir(parents=True, exist_ok=True)
+    with (
+        open(output_path, "a", encoding="utf-8") as out,
+        tqdm(total=len(todo), disable=not progress) as bar,
+        ThreadPoolExecutor(max_workers=concurrency) as pool,
+    ):
+        for future in as_completed([pool.submit(one, rid, msgs) for rid, msgs in todo]):
+            record = future.result()  # an EndpointError names the record and the server's message
+            with lock:
+                out.write(json.dumps(record, ensure_ascii=False) + "\n")
+                out.flush()
+                written += 1
+            bar.update(1)
+    return written
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``dmtp regenerate``: rewrite the assistant turns of a chat JSONL with the target (greedy by default)."""
     from .features import load_target
 
     parser = argparse.ArgumentParser(prog="dmtp regenerate", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", required=True, help="target checkpoint")
+    parser.add_argument("--target", help="target checkpoint (local generation)")
+    parser.add_argument("--endpoint", help="an OpenAI-compatible server URL instead (vLLM, SGLang, TGI, dmtp serve)")
+    parser.add_argument("--model", default="default", help="--endpoint: the served model name")
+    parser.add_argument("--concurrency", type=int, default=8, help="--endpoint: records in flight")
+    parser.add_argument("--top-p", type=float, default=None, help="--endpoint: nucleus sampling")
     parser.add_argument("--input", required=True, help="chat JSONL (OpenAI messages or ShareGPT conversations)")
     parser.add_argument("--output", required=True, help="output JSONL (appended to; completed ids are skipped)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer path (default: the target)")
@@ -142,13 +245,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, default=None, help="stop after this many records in total")
     parser.add_argument("--device", default=None)
     args = parser.parse_args(argv)
+    thinking = {"true": True, "false": False, "unset": None}[args.enable_thinking]
+    if args.endpoint:
+        n = regenerate_endpoint(
+            args.endpoint, args.input, args.output, model=args.model, concurrency=args.concurrency,
+            temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens, enable_thinking=thinking,
+            limit=args.limit,
+        )  # fmt: skip
+        print(f"regenerated {n} records through {args.endpoint} -> {args.output}")
+        return 0
+    if not args.target:
+        parser.error("give --target (local generation) or --endpoint (a server)")
 
     from transformers import AutoTokenizer
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     target = load_target(args.target, dtype="auto", device=device)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.target)
-    thinking = {"true": True, "false": False, "unset": None}[args.enable_thinking]
     n = regenerate(
         target, tokenizer, args.input, args.output, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, enable_thinking=thinking, limit=args.limit,
