@@ -73,20 +73,24 @@ def build_random_target(hidden: int, layers: int, vocab: int, directory: Path):
     return load_tiny_target(path)
 
 
-def plain_step_seconds(target, prompt: torch.Tensor, steps: int) -> float:
-    """Mean wall time of one cached single-token target forward (the plain decoding step)."""
+def forward_seconds(target, prompt: torch.Tensor, steps: int, width: int = 1) -> float:
+    """Mean wall time of one raw cached target forward over ``width`` tokens (``width=1``: the plain decoding step).
+
+    ``width > 1`` is what a verify of ``width - 1`` candidates costs the model itself: no hooks, no feature
+    capture, no processors; the cache grows by ``width`` per call as a verify that accepts everything would.
+    """
     cache = DynamicCache(config=target.config)
     with torch.no_grad():
         out = target(prompt, cache=cache, use_cache=True, logits_to_keep=1)
-        token = out.logits[:, -1:].argmax(-1)
+        tokens = out.logits[:, -1:].argmax(-1).repeat(1, width)
         for _ in range(3):  # warm-up
-            out = target(token, cache=cache, use_cache=True)
-            token = out.logits[:, -1:].argmax(-1)
+            out = target(tokens, cache=cache, use_cache=True)
+            tokens = out.logits[:, -1:].argmax(-1).repeat(1, width)
         _sync(prompt.device)
         start = time.perf_counter()
         for _ in range(steps):
-            out = target(token, cache=cache, use_cache=True)
-            token = out.logits[:, -1:].argmax(-1)
+            out = target(tokens, cache=cache, use_cache=True)
+            tokens = out.logits[:, -1:].argmax(-1).repeat(1, width)
         _sync(prompt.device)
         return (time.perf_counter() - start) / steps
 
@@ -169,13 +173,17 @@ def main(argv: list[str] | None = None) -> int:
         # Interleave strategies and plain steps over repetitions and keep medians: machine noise hits all alike.
         samples: dict[str, list[dict]] = {name: [] for name in strategies}
         plain_samples = []
+        widths = sorted({drafter.num_candidates + 1 for drafter, _ in strategies.values()})
+        raw_samples: dict[int, list[float]] = {width: [] for width in widths}
         for drafter, rollback in strategies.values():  # warm-up
             wrapped = AlwaysRejected(drafter, reference)
             speculative_decode(
                 target, prompt, wrapped, max_length=args.prompt_length + 4, rollback=rollback, profile=profile
             )
         for _ in range(args.repeats):
-            plain_samples.append(plain_step_seconds(target, prompt, args.rounds))
+            plain_samples.append(forward_seconds(target, prompt, args.rounds))
+            for width in widths:
+                raw_samples[width].append(forward_seconds(target, prompt, args.rounds, width))
             for name, (drafter, rollback) in strategies.items():
                 stats = SpecStats(drafter.num_candidates, name)
                 wrapped = AlwaysRejected(drafter, reference)
@@ -193,10 +201,15 @@ def main(argv: list[str] | None = None) -> int:
                 sample["hist"] = stats.hist
                 samples[name].append(sample)
         plain = statistics.median(plain_samples)
+        raw = {width: statistics.median(times) for width, times in raw_samples.items()}
         results = {}
         for name, runs in samples.items():
             median = {key: statistics.median(run[key] for run in runs) for key in [*dict(STAGE_ROWS), "round"]}
+            width = strategies[name][0].num_candidates + 1
             results[name] = {
+                "raw_forward_ms": 1e3 * raw[width],
+                "verify_over_raw_forward": median["verify"] / raw[width],
+                "drafter_share_of_round": (median["mtp"] + median["t1_fusion"]) / median["round"],
                 "rounds": sum(runs[0]["hist"]),
                 "stage_ms": {key: 1e3 * median[key] for key, _ in STAGE_ROWS},
                 "round_ms": 1e3 * median["round"],
@@ -214,6 +227,16 @@ def main(argv: list[str] | None = None) -> int:
     for key, label in STAGE_ROWS:
         lines.append(f"{label:46s}" + "".join(f"{results[n]['stage_ms'][key]:12.3f}" for n in names))
     lines.append(f"{'whole round':46s}" + "".join(f"{results[n]['round_ms']:12.3f}" for n in names))
+    lines.append(
+        f"{'raw target forward, same K+1 tokens':46s}" + "".join(f"{results[n]['raw_forward_ms']:12.3f}" for n in names)
+    )
+    lines.append(
+        f"{'verify / raw forward':46s}" + "".join(f"{results[n]['verify_over_raw_forward']:12.2f}" for n in names)
+    )
+    lines.append(
+        f"{'(MTP advance + T1 + fusion) / round':46s}"
+        + "".join(f"{results[n]['drafter_share_of_round']:12.1%}" for n in names)
+    )
     lines.append(f"{'plain decode step':46s}" + "".join(f"{1e3 * plain:12.3f}" for _ in names))
     ratio_row = "".join(f"{results[n]['round_over_plain_step']:12.2f}" for n in names)
     lines.append(f"{'all-rejected round / plain step':46s}" + ratio_row)
