@@ -70,13 +70,15 @@ class SpecStats:
 
     @contextmanager
     def stage(self, name: str, sync_device: torch.device | None = None):
-        """Time a stage; with ``sync_device`` (or :attr:`sync_device`) on CUDA, synchronise so the time is exact."""
+        """Time a stage (a ``dmtp::<name>`` range under ``torch.profiler``); with ``sync_device`` (or
+        :attr:`sync_device`) on CUDA, synchronise so the time is exact."""
         sync_device = sync_device if sync_device is not None else self.sync_device
         if sync_device is not None and sync_device.type == "cuda":
             torch.cuda.synchronize(sync_device)
         start = time.perf_counter()
         try:
-            yield
+            with torch.profiler.record_function(f"dmtp::{name}"):  # a labelled range under torch.profiler
+                yield
         finally:
             if sync_device is not None and sync_device.type == "cuda":
                 torch.cuda.synchronize(sync_device)
