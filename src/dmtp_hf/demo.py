@@ -3,6 +3,7 @@
 It chats with the project's own small Qwen3.5-architecture target (``dmtp_hf.bundled``) through its DMTP draft,
 then runs DMTP, DFlash and the native MTP head alone (MTP-1) side by side on the same prompt: tokens per round,
 first-candidate acceptance, wall-clock speedup over plain ``generate``, and whether the output is identical.
+``--bundle smollm2`` does the same on SmolLM2-135M-Instruct with its retrofitted MTP head (``make demo-smollm2``).
 """
 
 from __future__ import annotations
@@ -11,32 +12,39 @@ import time
 
 import torch
 
-# The code-request shape of the bundled target's training data (scripts/reproduce/build_corpus.py).
-DEMO_REQUEST = (
-    "Write the Python function `fibonacci` of the `mathutils` module.\n\n"
-    "Signature: `def fibonacci(n):`\n\nDocstring: Return the n-th Fibonacci number."
-)
+# A code request per bundle, in the shape of its training data (scripts/reproduce/).
+DEMO_REQUESTS = {
+    "bundled": "Write the Python function `fibonacci` of the `mathutils` module.\n\n"
+    "Signature: `def fibonacci(n):`\n\nDocstring: Return the n-th Fibonacci number.",
+    "smollm2": "Write a Python function `fibonacci(n)` that returns the n-th Fibonacci number.",
+}
 
 
-def run_demo(max_new_tokens: int = 48, seed: int = 0) -> int:
-    """Run the demo on the bundled models and return a process exit code."""
+def run_demo(max_new_tokens: int = 48, seed: int = 0, bundle: str = "bundled") -> int:
+    """Run the demo on a bundle's models (``bundled`` or ``smollm2``) and return a process exit code."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import dmtp_hf
 
-    from .bundled import default_paths
-    from .modeling import DMTPDraftModel
+    from .bundled import bundle_paths
+    from .modeling import DMTPDraftModel, load_native_mtp
 
     torch.manual_seed(seed)
-    paths = default_paths(("target", "dmtp", "dflash"))
+    paths = bundle_paths(bundle)
     # Stored in bf16; fp32 is the fast CPU dtype (the comparison report runs fp32 too).
     target = AutoModelForCausalLM.from_pretrained(paths["target"], dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(paths["target"])
     prompt_ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": DEMO_REQUEST}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        [{"role": "user", "content": DEMO_REQUESTS[bundle]}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
     )["input_ids"]
-    dmtp = DMTPDraftModel.from_pretrained(paths["dmtp"], target=target).eval()
-    dflash = DMTPDraftModel.from_pretrained(paths["dflash"], target=target).eval()
+    # The MTP head: the target's own, or a retrofitted one (SmolLM2 ships none).
+    head = load_native_mtp(target, checkpoint=paths["mtp_head"]) if paths["mtp_head"] else None
+    dmtp = DMTPDraftModel.from_pretrained(paths["draft"]).to(torch.float32).bind(target, native_mtp=head).eval()
+    dflash = DMTPDraftModel.from_pretrained(paths["dflash_draft"]).to(torch.float32).bind(target, native_mtp=head)
+    dflash.eval()
     cfg = dmtp.config
     print(
         f"target: {type(target).__name__} ({sum(p.numel() for p in target.parameters()) / 1e6:.1f}M); DMTP draft: "

@@ -8,7 +8,7 @@ PROMPTS=${2:-outputs/smollm2/prompts}
 OUT=${3:-outputs/smollm2/regenerated}
 mkdir -p "$OUT"
 # Records per set: CPU time (about 20 s per code record, 2 cores shared with training) caps code and chat here.
-declare -A LIMIT=([math]=${MATH_LIMIT:-800} [code]=${CODE_LIMIT:-256} [chat]=${CHAT_LIMIT:-128})
+declare -A LIMIT=([math]=${MATH_LIMIT:-800} [code]=${CODE_LIMIT:-128} [chat]=${CHAT_LIMIT:-64})
 for set in math code chat; do
   .venv/bin/dmtp regenerate --target "$TARGET" --input "$PROMPTS/train_$set.jsonl" --output "$OUT/train_$set.jsonl" \
     --batch-size 16 --max-new-tokens 192 --limit "${LIMIT[$set]}"
