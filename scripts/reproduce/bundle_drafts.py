@@ -1,40 +1,90 @@
-"""Copy the trained drafts' final exports into the package (``src/dmtp_hf/bundled/models/``), atomically.
+"""Copy trained exports into the package (``src/dmtp_hf/bundled/models/``), atomically, after a strict load check.
 
     python scripts/reproduce/bundle_drafts.py                 # outputs/drafts/{dmtp,dflash,dmtp-from-dflash}/final
+    python scripts/reproduce/bundle_drafts.py --set tuned     # the tuned MTP head and the DMTP draft adapted to it
+    python scripts/reproduce/bundle_drafts.py --set smollm2   # outputs/smollm2/{mtp_head,dflash,dmtp} -> models/smollm2
 
-Each bundled folder holds ``config.json``, ``model.safetensors`` (fp32, as trained) and ``training.json`` (steps,
-samples, CPU time, last held-out metrics, the full training config), which the comparison report quotes.
+Each bundled folder holds ``config.json``, ``model.safetensors`` and ``training.json`` (steps, samples, CPU time,
+last held-out metrics, the full training config), which the comparison report quotes. The bundled drafts stay fp32
+(as trained); the SmolLM2 ones are stored in bfloat16 to keep the package small (its drafts are larger), and load
+in the target's dtype.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
 
 from dmtp_hf import DMTPDraftModel
 from dmtp_hf.modeling.io import atomic_directory
 
 REPO = Path(__file__).resolve().parents[2]
-DRAFTS = {"dmtp": "dmtp", "dflash": "dflash", "dmtp-from-dflash": "dmtp_from_dflash"}
+OUTPUTS = REPO / "outputs"
 FILES = ("config.json", "model.safetensors", "training.json")
+# set -> [(export folder, bundled folder name, kind)]; kind "draft" or "head"
+SETS = {
+    "drafts": [
+        (OUTPUTS / "drafts" / "dmtp" / "final", "dmtp", "draft"),
+        (OUTPUTS / "drafts" / "dflash" / "final", "dflash", "draft"),
+        (OUTPUTS / "drafts" / "dmtp-from-dflash" / "final", "dmtp_from_dflash", "draft"),
+    ],
+    "tuned": [
+        (OUTPUTS / "drafts" / "mtp_head" / "final_mtp_head", "mtp_head_tuned", "head"),
+        (OUTPUTS / "drafts" / "dmtp_tuned" / "final", "dmtp_tuned", "draft"),
+    ],
+    "smollm2": [
+        (OUTPUTS / "smollm2" / "mtp_head" / "final_mtp_head", "smollm2/mtp_head", "head"),
+        (OUTPUTS / "smollm2" / "dflash" / "final", "smollm2/dflash", "draft"),
+        (OUTPUTS / "smollm2" / "dmtp" / "final", "smollm2/dmtp", "draft"),
+    ],
+}
+BF16_SETS = {"smollm2"}
+
+
+def _check(source: Path, kind: str) -> None:
+    """Refuse a damaged export: drafts load strictly; heads carry their config and tensors."""
+    if kind == "draft":
+        DMTPDraftModel.from_pretrained(source)
+    elif "dmtp_mtp_head" not in json.loads((source / "config.json").read_text()):
+        raise SystemExit(f"{source} is not an MTP head checkpoint (no dmtp_mtp_head in config.json)")
+
+
+def _copy(source: Path, destination: Path, bf16: bool) -> None:
+    with atomic_directory(destination) as tmp:
+        for name in FILES:
+            if (source / name).is_file():
+                shutil.copy2(source / name, tmp / name)
+        if bf16:
+            tensors = load_file(str(source / "model.safetensors"))
+            tensors = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in tensors.items()}
+            save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            config = json.loads((tmp / "config.json").read_text())
+            if "dmtp_mtp_head" in config:
+                config["dmtp_mtp_head"]["dtype"] = "bfloat16"
+            else:
+                config["dtype"] = "bfloat16"
+            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Copy and check every draft (it must load strictly with ``DMTPDraftModel.from_pretrained``)."""
+    """Copy and check every export of the chosen set."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--drafts", type=Path, default=REPO / "outputs" / "drafts")
+    parser.add_argument("--set", dest="name", default="drafts", choices=sorted(SETS))
     parser.add_argument("--models", type=Path, default=REPO / "src" / "dmtp_hf" / "bundled" / "models")
     args = parser.parse_args(argv)
-    for run, folder in DRAFTS.items():
-        source = args.drafts / run / "final"
-        missing = [name for name in FILES if not (source / name).is_file()]
+    for source, folder, kind in SETS[args.name]:
+        missing = [name for name in FILES[:2] if not (source / name).is_file()]
         if missing:
-            raise SystemExit(f"{source} lacks {missing}: train it first (scripts/reproduce/README.md §6)")
-        DMTPDraftModel.from_pretrained(source)  # strict load: refuses a damaged export
-        with atomic_directory(args.models / folder) as tmp:
-            for name in FILES:
-                shutil.copy2(source / name, tmp / name)
+            raise SystemExit(f"{source} lacks {missing}: train it first (scripts/reproduce/README.md)")
+        _check(source, kind)
+        _copy(source, args.models / folder, bf16=args.name in BF16_SETS)
+        if kind == "draft":
+            DMTPDraftModel.from_pretrained(args.models / folder)  # the bundled copy loads too
         size = sum(f.stat().st_size for f in (args.models / folder).iterdir()) / 1e6
         print(f"bundled {source} -> {args.models / folder} ({size:.1f} MB)")
     return 0

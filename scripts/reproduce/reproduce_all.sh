@@ -41,5 +41,10 @@ OMP_NUM_THREADS=1 CUDA_VISIBLE_DEVICES= $PY -m accelerate.commands.launch --mult
     --config configs/bundled-dmtp-from-dflash.yaml --set micro_batch_size=2 > outputs/drafts/train-from-dflash.log 2>&1
 $PY scripts/reproduce/bundle_drafts.py
 
+# 5b. the target's own MTP head tuned on the same data (target frozen), then the DMTP draft adapted to it
+$DMTP train --config configs/bundled-mtp-head.yaml > outputs/drafts/train-mtp-head.log 2>&1
+$DMTP train --config configs/bundled-dmtp-tuned.yaml > outputs/drafts/train-dmtp-tuned.log 2>&1
+$PY scripts/reproduce/bundle_drafts.py --set tuned
+
 # 6. the comparison: reports/bundled/ (README.md, eval.json/md, bench.json, plots)
 $PY scripts/reproduce/compare.py
