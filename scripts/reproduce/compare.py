@@ -129,13 +129,13 @@ def run_eval(args, out: Path) -> dict:
 
 
 def run_bench(args, out: Path) -> dict:
-    """Throughput of plain generate, DMTP, DFlash and MTP-1 at batch sizes 1, 2, 4."""
+    """Throughput of plain generate, DMTP, DFlash and MTP-1 at batch sizes 1, 2, 4, 8."""
     command = _dmtp(
         "bench", *args.bundle.models,
         "--strategies", ",".join(args.bundle.bench_methods),
         "--datasets", "mt_bench", "--prompts", str(out / "parts" / "prompts" / "held-out-code.jsonl"),
         "--limit", str(args.bench_limit), "--max-new-tokens", str(args.max_new_tokens),
-        "--batch-sizes", "1,2,4", "--no-progress", "--output-dir", str(out),
+        "--batch-sizes", "1,2,4,8", "--no-progress", "--output-dir", str(out),
     )  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "OMP_WAIT_POLICY": "PASSIVE"}
     with open(out / "bench.log", "w") as log:
