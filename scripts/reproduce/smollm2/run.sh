@@ -22,7 +22,7 @@ bash scripts/reproduce/smollm2/regenerate.sh $OUT/target $OUT/prompts $OUT/regen
 
 # 3. offline features: the draft's target layers and the hidden the MTP head reads (bf16 on disk)
 $DMTP extract --target $OUT/target --data $OUT/regenerated/train_all.jsonl --output $OUT/features \
-    --target-layer-ids 1,14,27 --no-mtp --head-inputs --max-length 512 --batch-size 8 --shard-size 128 \
+    --target-layer-ids 1,14,27 --no-mtp --head-inputs --max-length 384 --batch-size 8 --shard-size 128 \
     --dtype bfloat16
 
 # 4. the retrofitted MTP head and the DFlash baseline in parallel (one core each), then DMTP on the trained head
