@@ -715,6 +715,9 @@ class Trainer:
             shutil.rmtree(partial, ignore_errors=True)
         acc.wait_for_everyone()
         acc.save_state(str(partial))
+        # Every process writes its own RNG state into `partial` and save_state does not wait for the others: moving
+        # the folder before they are done made a slower process fail to write (a 2-process CPU run hit it).
+        acc.wait_for_everyone()
         state_dict = acc.get_state_dict(self.objective)  # gathers sharded (FSDP/DeepSpeed) weights
         if acc.is_main_process:
             with atomic_directory(final) as tmp:
