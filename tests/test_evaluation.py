@@ -231,9 +231,33 @@ def test_omitted_paths_resolve_to_the_bundled_models():
 
     bundled = default_paths()
     paths = resolve_model_paths(None, None)
-    assert paths.target == str(bundled["target"]) and paths.draft == str(bundled["dmtp"])
-    assert paths.dflash_draft == str(bundled["dflash"])
-    assert paths.extra_drafts == {"dmtp-from-dflash": str(bundled["dmtp_from_dflash"])}
+    # The default DMTP is the best configuration: the tuned MTP head and the draft adapted to it.
+    assert paths.target == str(bundled["target"]) and paths.draft == str(bundled["dmtp_tuned"])
+    assert paths.mtp_head == str(bundled["mtp_head_tuned"]) and paths.dflash_draft == str(bundled["dflash"])
+    # The drafts trained on the target's own head keep it.
+    assert paths.heads == {"native": str(bundled["target"])}
+    assert paths.extra_drafts == {
+        "dmtp-native-head": f"{bundled['dmtp']}@native",
+        "dmtp-from-dflash": f"{bundled['dmtp_from_dflash']}@native",
+    }
+
+
+def test_default_strategies_bind_the_tuned_head_and_the_native_one_where_trained():
+    import torch
+
+    from dmtp_hf.evaluation.models import build_strategies, load_target, resolve_model_paths
+
+    paths = resolve_model_paths(None, None)
+    target = load_target(paths.target, torch.device("cpu"), torch.float32)
+    strategies = {
+        s.label: s for s in build_strategies(["dmtp", "dmtp-native-head", "dmtp-from-dflash", "mtp1"], target, paths)
+    }
+    tuned, native = strategies["dmtp"].drafter.head, strategies["dmtp-native-head"].drafter.head
+    assert strategies["mtp1"].drafter.head is tuned and strategies["dmtp-from-dflash"].drafter.head is native
+    # Two different heads: the tuned one moved away from the target's own `mtp.*` weights.
+    tuned_params, native_params = dict(tuned.named_parameters()), dict(native.named_parameters())
+    assert tuned_params.keys() == native_params.keys()
+    assert any(not torch.equal(tuned_params[n], native_params[n]) for n in tuned_params)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -65,6 +65,7 @@ def bundle(name: str) -> Bundle:
     ]  # fmt: skip
     methods = ["mtp1", "mtp2", "mtp3", "mtp4", "dflash", "dmtp", "dmtp-from-dflash"]
     variants = ["dmtp", "dmtp-from-dflash"]
+    bench_methods = ["dmtp", "dflash", "dmtp-from-dflash", "mtp1"]
     heads = {}
     tuned_head, tuned_draft = MODELS / "mtp_head_tuned", MODELS / "dmtp_tuned"
     if (tuned_head / "config.json").is_file() and (tuned_draft / "config.json").is_file():
@@ -73,11 +74,12 @@ def bundle(name: str) -> Bundle:
         drafts["dmtp-tuned"] = tuned_draft
         variants.append("dmtp-tuned")
         heads["tuned MTP head"] = tuned_head
+        bench_methods.insert(0, "dmtp-tuned")
     return Bundle(
         title="native MTP vs DFlash vs DMTP on a small Qwen3.5-architecture target",
         models=models,
         methods=methods,
-        bench_methods=["dmtp", "dflash", "dmtp-from-dflash", "mtp1"],
+        bench_methods=bench_methods,
         drafts=drafts,
         dmtp_variants=variants,
         heads=heads,
@@ -88,15 +90,20 @@ def _dmtp(*args: str) -> list[str]:
     return [sys.executable, "-m", "dmtp_hf.cli", *args]
 
 
-def run_eval(args, out: Path) -> dict:
-    """Acceptance + speedup over the three workloads, split over worker processes, merged."""
-    # Prompt files are named after what they hold (the report names a set by its file name).
+def named_prompts(out: Path) -> Path:
+    """Links to the held-out prompt files named after what they hold (the report names a set by its file name)."""
     named = out / "parts" / "prompts"
     named.mkdir(parents=True, exist_ok=True)
     for name, source in (("held-out-code", "code_question.jsonl"), ("held-out-chat", "chat_question.jsonl")):
         link = named / f"{name}.jsonl"
         link.unlink(missing_ok=True)
         link.symlink_to(BENCH / source)
+    return named
+
+
+def run_eval(args, out: Path) -> dict:
+    """Acceptance + speedup over the three workloads, split over worker processes, merged."""
+    named = named_prompts(out)
     workloads = [
         ["--datasets", "mt_bench"],
         ["--datasets", "none", "--prompts", str(named / "held-out-code.jsonl"),
@@ -133,7 +140,7 @@ def run_bench(args, out: Path) -> dict:
     command = _dmtp(
         "bench", *args.bundle.models,
         "--strategies", ",".join(args.bundle.bench_methods),
-        "--datasets", "mt_bench", "--prompts", str(out / "parts" / "prompts" / "held-out-code.jsonl"),
+        "--datasets", "mt_bench", "--prompts", str(named_prompts(out) / "held-out-code.jsonl"),
         "--limit", str(args.bench_limit), "--max-new-tokens", str(args.max_new_tokens),
         "--batch-sizes", "1,2,4,8", "--no-progress", "--output-dir", str(out),
     )  # fmt: skip
@@ -344,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2, choices=[1, 2])
     parser.add_argument("--threads", type=int, default=2, help="CPU threads in total")
     parser.add_argument("--skip-bench", action="store_true")
+    parser.add_argument("--skip-eval", action="store_true", help="reuse OUTPUT_DIR/eval.json, run the bench only")
     parser.add_argument("--report-only", action="store_true", help="rebuild README.md from the saved JSON")
     parser.add_argument("--output-dir", type=Path, help="default: reports/<bundle>")
     parser.add_argument(
@@ -364,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         for needed in ("code_question.jsonl", "chat_question.jsonl"):
             if not (BENCH / needed).is_file():
                 raise SystemExit(f"{BENCH / needed} is missing: run scripts/reproduce/build_corpus.py first")
-        evaluation = run_eval(args, out)
+        evaluation = json.loads((out / "eval.json").read_text()) if args.skip_eval else run_eval(args, out)
         print(f"eval done in {(time.time() - started) / 60:.1f} min", flush=True)
         bench = None if args.skip_bench else run_bench(args, out)
         print(f"eval + bench done in {(time.time() - started) / 60:.1f} min", flush=True)

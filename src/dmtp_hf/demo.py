@@ -1,7 +1,7 @@
 """``dmtp demo``: what the README's first command runs.
 
-It chats with the project's own small Qwen3.5-architecture target (``dmtp_hf.bundled``) through its DMTP draft,
-then runs DMTP, DFlash and the native MTP head alone (MTP-1) side by side on the same prompt: tokens per round,
+It chats with the project's own small Qwen3.5-architecture target (``dmtp_hf.bundled``) through its best DMTP
+configuration (the target's MTP head tuned on regenerated text and the DMTP draft adapted to it), then runs DMTP, DFlash and the native MTP head alone (MTP-1) side by side on the same prompt: tokens per round,
 first-candidate acceptance, wall-clock speedup over plain ``generate``, and whether the output is identical.
 ``--bundle smollm2`` does the same on SmolLM2-135M-Instruct with its retrofitted MTP head (``make demo-smollm2``).
 """
@@ -48,7 +48,8 @@ def run_demo(max_new_tokens: int = 48, seed: int = 0, bundle: str = "bundled") -
     cfg = dmtp.config
     print(
         f"target: {type(target).__name__} ({sum(p.numel() for p in target.parameters()) / 1e6:.1f}M); DMTP draft: "
-        f"layout={cfg.anchor_layout} fusion={cfg.fusion}, {cfg.num_candidates} candidates/round"
+        f"layout={cfg.anchor_layout} fusion={cfg.fusion}, {cfg.num_candidates} candidates/round; MTP head: "
+        + (f"{paths['mtp_head'].name}" if paths["mtp_head"] else "the target's own")
     )
     # Side by side on the same prompt: the DMTP draft, and the baselines a user would compare it with.
     contenders = [("DMTP", dmtp, None), ("DFlash", dflash, None), ("native MTP-1", dmtp, "mtp")]

