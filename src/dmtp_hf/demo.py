@@ -1,8 +1,9 @@
 """``dmtp demo``: what the README's first command runs.
 
 It chats with the project's own small Qwen3.5-architecture target (``dmtp_hf.bundled``) through its best DMTP
-configuration (the target's MTP head tuned on regenerated text and the DMTP draft adapted to it), then runs DMTP, DFlash and the native MTP head alone (MTP-1) side by side on the same prompt: tokens per round,
-first-candidate acceptance, wall-clock speedup over plain ``generate``, and whether the output is identical.
+configuration (the target's MTP head tuned on regenerated text and the DMTP draft adapted to it), then runs
+DMTP, DFlash and the native MTP head alone (MTP-1) side by side on the same prompt: tokens per round, first-candidate
+acceptance, wall-clock speedup over plain ``generate``, and whether the output is identical.
 ``--bundle smollm2`` does the same on SmolLM2-135M-Instruct with its retrofitted MTP head (``make demo-smollm2``).
 """
 
