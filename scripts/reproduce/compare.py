@@ -5,12 +5,13 @@
     python scripts/reproduce/compare.py --limit 4 --max-new-tokens 16 --output-dir /tmp/smoke   # quick smoke run
 
 1. ``dmtp eval`` on held-out code requests, held-out chats (``outputs/corpus/bench``, rebuilt by
-   ``build_corpus.py``) and MT-Bench (two turns, out of distribution), ``--limit`` prompts each: acceptance length
-   per request and per verify, first-candidate acceptance, position-wise acceptance, and wall-clock speedup over
-   plain ``target.generate`` timed on the same turns. The prompt sets are split over ``--workers`` single-threaded
-   processes (each times its own baseline, so every ratio is measured under one process's conditions) and merged
+   ``build_corpus.py``) and MT-Bench (two turns, out of distribution; SmolLM2 adds GSM8K, in distribution),
+   ``--limit`` prompts each: acceptance length per request and per verify, first-candidate acceptance, position-wise
+   acceptance, and wall-clock speedup over plain ``target.generate`` timed on the same turns. The prompt sets are
+   split over ``--workers`` single-threaded processes (each times its own baseline, so every ratio is measured under
+   one process's conditions) and merged
    with ``dmtp eval --report-only``.
-2. ``dmtp bench`` on the first-turn prompts of code and MT-Bench at batch sizes 1, 2, 4 (throughput vs batch).
+2. ``dmtp bench`` on the first-turn prompts of code and MT-Bench at batch sizes 1, 2, 4, 8 (``--batch-sizes``).
 3. ``README.md``: the summary table (per workload and method), DMTP vs DFlash, parameter budgets, training budget,
    and the plots.
 """
@@ -43,6 +44,7 @@ class Bundle:
     drafts: dict[str, Path]
     dmtp_variants: list[str]
     heads: dict[str, Path] = field(default_factory=dict)
+    datasets: list[str] = field(default_factory=lambda: ["mt_bench"])  # bundled sets next to the held-out files
 
 
 def bundle(name: str) -> Bundle:
@@ -57,6 +59,8 @@ def bundle(name: str) -> Bundle:
             drafts={"dmtp": folder / "dmtp", "dflash": folder / "dflash"},
             dmtp_variants=["dmtp"],
             heads={"retrofitted MTP head": folder / "mtp_head"},
+            # Most of SmolLM2's training answers are math word problems: GSM8K is the in-distribution workload.
+            datasets=["mt_bench", "gsm8k"],
         )
     drafts = {"dmtp": MODELS / "dmtp", "dflash": MODELS / "dflash", "dmtp-from-dflash": MODELS / "dmtp_from_dflash"}
     models = [
@@ -104,13 +108,14 @@ def named_prompts(out: Path) -> Path:
 def run_eval(args, out: Path) -> dict:
     """Acceptance + speedup over the three workloads, split over worker processes, merged."""
     named = named_prompts(out)
+    bundled_sets = ",".join(args.bundle.datasets)
     workloads = [
-        ["--datasets", "mt_bench"],
+        ["--datasets", bundled_sets],
         ["--datasets", "none", "--prompts", str(named / "held-out-code.jsonl"),
          "--prompts", str(named / "held-out-chat.jsonl")],
     ]  # fmt: skip
     if args.workers == 1:
-        workloads = [[*workloads[1], "--datasets", "mt_bench"]]
+        workloads = [[*workloads[1], "--datasets", bundled_sets]]
     common = [
         *args.bundle.models,
         "--strategies", ",".join(args.bundle.methods),
