@@ -33,4 +33,4 @@ $DMTP train --config configs/smollm2-dmtp.yaml > $OUT/train-dmtp.log 2>&1
 
 # 5. bundle (bf16, each under 15 MB) and compare
 $PY scripts/reproduce/bundle_drafts.py --set smollm2
-$PY scripts/reproduce/compare.py --bundle smollm2 --limit 32 --max-new-tokens 128 --bench-limit 4 --batch-sizes 1,2,4
+$PY scripts/reproduce/compare.py --bundle smollm2 --limit 20 --max-new-tokens 128 --bench-limit 4 --batch-sizes 1,2,4
