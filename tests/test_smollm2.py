@@ -310,3 +310,31 @@ def test_eval_bundle_smollm2_end_to_end(
     assert data["outputs_identical"] == {"tiny_prompts": True}
     expected = _greedy_digest(target_dir, PROMPTS[:2], max_new_tokens=8)
     assert {entry["output_digest"] for entry in entries.values()} == {expected}
+
+
+def test_committed_smollm2_bundle_is_complete_small_and_built_for_smollm2() -> None:
+    """The SmolLM2 drafts and head shipped in the package: strict loads, fitted to SmolLM2's shape, ≤ 15 MB each."""
+    from safetensors import safe_open
+
+    from dmtp_hf import DMTPDraftModel
+
+    layouts = {}
+    for name in ("dmtp", "dflash", "mtp_head"):
+        folder = bundled.SMOLLM2_DIR / name
+        weights = folder / "model.safetensors"
+        assert weights.stat().st_size <= 15 * 2**20, name
+        with safe_open(str(weights), "pt") as f:
+            assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}, name  # noqa: SIM118
+        assert json.loads((folder / "training.json").read_text())["steps"] == 300, name
+        if name != "mtp_head":
+            config = DMTPDraftModel.from_pretrained(folder).config  # strict: every tensor present and shaped
+            assert config.hidden_size == 576 and config.target_layer_ids == [1, 14, 27], name
+            layouts[name] = config.anchor_layout
+    assert layouts == {"dmtp": "dual", "dflash": "dflash"}
+    head = json.loads((bundled.SMOLLM2_DIR / "mtp_head" / "config.json").read_text())["dmtp_mtp_head"]
+    assert (head["layout"], head["target_model_type"], head["num_hidden_layers"], head["hidden_size"]) == (
+        "retrofit",
+        "llama",
+        30,
+        576,
+    )
