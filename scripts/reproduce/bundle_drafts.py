@@ -82,9 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         if missing:
             raise SystemExit(f"{source} lacks {missing}: train it first (scripts/reproduce/README.md)")
         _check(source, kind)
-        _copy(source, args.models / folder, bf16=args.name in BF16_SETS)
-        if kind == "draft":
-            DMTPDraftModel.from_pretrained(args.models / folder)  # the bundled copy loads too
+        bf16 = args.name in BF16_SETS
+        _copy(source, args.models / folder, bf16=bf16)
+        if bf16 and kind == "draft":
+            DMTPDraftModel.from_pretrained(args.models / folder)  # the converted copy loads too
         size = sum(f.stat().st_size for f in (args.models / folder).iterdir()) / 1e6
         print(f"bundled {source} -> {args.models / folder} ({size:.1f} MB)")
     return 0

@@ -43,9 +43,9 @@ def run_demo(max_new_tokens: int = 48, seed: int = 0, bundle: str = "bundled") -
     )["input_ids"]
     # The MTP head: the target's own, or a retrofitted one (SmolLM2 ships none).
     head = load_native_mtp(target, checkpoint=paths["mtp_head"]) if paths["mtp_head"] else None
-    dmtp = DMTPDraftModel.from_pretrained(paths["draft"]).to(torch.float32).bind(target, native_mtp=head).eval()
-    dflash = DMTPDraftModel.from_pretrained(paths["dflash_draft"]).to(torch.float32).bind(target, native_mtp=head)
-    dflash.eval()
+    # `bind` casts each draft to the target's dtype (the SmolLM2 drafts are stored in bf16).
+    dmtp = DMTPDraftModel.from_pretrained(paths["draft"]).bind(target, native_mtp=head).eval()
+    dflash = DMTPDraftModel.from_pretrained(paths["dflash_draft"]).bind(target, native_mtp=head).eval()
     cfg = dmtp.config
     print(
         f"target: {type(target).__name__} ({sum(p.numel() for p in target.parameters()) / 1e6:.1f}M); DMTP draft: "
