@@ -361,6 +361,26 @@ def test_block_sees_only_context_strictly_before_anchor_and_itself(target, attn)
         torch.testing.assert_close(single, base[:, L:], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("context_len", [16, 56])  # keys 24 and 72: 8 mod 16, where torch's CPU kernel misreads
+def test_flex_attention_is_exact_at_key_lengths_the_cpu_kernel_misreads(target, context_len):
+    """torch 2.13's compiled CPU FlexAttention reads past the last key when the key length is 8 mod 16 (NaN or
+    wrong outputs that change with each compile); masks padded to whole blocks keep the draft exact."""
+    draft = DMTPDraftModel(tiny_draft_config(anchor_layout="dflash", fusion="none")).bind(target).eval()
+    ids = torch.randint(0, VOCAB - 1, (1, context_len))
+    feats = context_features(target, ids, [0, 2]).detach()
+    anchors = [context_len // 2]
+    pos = torch.cat([torch.arange(context_len), torch.arange(anchors[0], anchors[0] + 8)])[None]
+    outputs = {}
+    for attn in ["sdpa", "flex_attention"]:
+        draft.set_attn_implementation(attn)
+        mask = training_style_mask(context_len, anchors, 8, attn)[1]
+        with torch.no_grad():
+            outputs[attn] = draft(draft.block_embeddings(ids[:, anchors[0]]), feats, pos, attention_mask=mask)
+    assert mask.seq_lengths[1] % 128 == 0  # the BlockMask covers whole key blocks
+    torch.testing.assert_close(outputs["flex_attention"].last_hidden_state, outputs["sdpa"].last_hidden_state,
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+
+
 def test_attention_implementations_agree(target):
     ids = torch.randint(0, VOCAB - 1, (1, 10))
     feats = context_features(target, ids, [0, 2]).detach()

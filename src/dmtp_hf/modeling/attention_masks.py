@@ -8,7 +8,20 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["attention_mask_for_implementation", "dflash_visibility"]
+__all__ = ["attention_mask_for_implementation", "dflash_visibility", "flex_key_length"]
+
+# torch 2.13's CPU FlexAttention kernel (inductor's C++ template) reads past the last key when the key length is
+# 8 modulo 16: outputs then depend on uninitialised memory (wrong by up to ~1, or NaN; different on every compile).
+# Keys padded to whole 128-key blocks (the BlockMask's own block size) are always computed right, so on CPU the
+# BlockMask is built for the padded length, with the padding invisible, and the attention pads K/V to match.
+FLEX_CPU_KEY_MULTIPLE = 128
+
+
+def flex_key_length(key_length: int, device: torch.device | str) -> int:
+    """The key length a FlexAttention call is made with: ``key_length`` rounded up to whole blocks on CPU."""
+    if torch.device(device).type != "cpu":
+        return key_length
+    return -(-key_length // FLEX_CPU_KEY_MULTIPLE) * FLEX_CPU_KEY_MULTIPLE
 
 
 def dflash_visibility(
@@ -61,10 +74,13 @@ def attention_mask_for_implementation(
     if attn_implementation == "flex_attention":
         from torch.nn.attention.flex_attention import create_block_mask
 
+        bsz, _, q_len, kv_len = visible.shape
+        padded = flex_key_length(kv_len, visible.device)
+        visible = torch.nn.functional.pad(visible, (0, padded - kv_len), value=False)  # padding keys: invisible
+
         def mask_mod(b, h, q_idx, kv_idx):
             return visible[b, 0, q_idx, kv_idx]
 
-        bsz, _, q_len, kv_len = visible.shape
-        return create_block_mask(mask_mod, bsz, None, q_len, kv_len, device=visible.device)
+        return create_block_mask(mask_mod, bsz, None, q_len, padded, device=visible.device)
     # eager takes an additive mask
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, torch.finfo(dtype).min)

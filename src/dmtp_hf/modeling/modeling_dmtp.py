@@ -52,6 +52,16 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return x * cos + rotate_half(x) * sin
 
 
+def _pad_keys_to_block_mask(key: torch.Tensor, value: torch.Tensor, mask) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero K/V up to the key length a FlexAttention ``BlockMask`` was built for (``flex_key_length``: CPU
+    kernels need whole blocks; the mask hides the padding)."""
+    lengths = getattr(mask, "seq_lengths", None)
+    if lengths is None or lengths[1] <= key.shape[2]:
+        return key, value
+    extra = lengths[1] - key.shape[2]
+    return nn.functional.pad(key, (0, 0, 0, extra)), nn.functional.pad(value, (0, 0, 0, extra))
+
+
 class DMTPRotaryEmbedding(Qwen3RotaryEmbedding):
     """Qwen3's RoPE whose frequencies stay float32 whatever the draft is cast to.
 
@@ -124,6 +134,7 @@ class DMTPAttention(nn.Module):
             key = torch.cat([ctx_key, key[:, :, ctx_len:]], dim=2)
             value = torch.cat([ctx_value, value[:, :, ctx_len:]], dim=2)
 
+        key, value = _pad_keys_to_block_mask(key, value, attention_mask)
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )

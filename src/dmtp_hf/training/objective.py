@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..modeling.attention_masks import attention_mask_for_implementation, dflash_visibility
+from ..modeling.attention_masks import attention_mask_for_implementation, dflash_visibility, flex_key_length
 from ..modeling.configuration_dmtp import DMTPConfig
 from ..modeling.modeling_dmtp import DMTPDraftModel
 
@@ -234,18 +234,22 @@ def _flex_block_mask(
 
     bsz, num_blocks = block_start.shape
 
+    q_len = num_blocks * block_len
+    kv_len = context_len + q_len
+    padded = flex_key_length(kv_len, block_start.device)  # keys past kv_len: padding (torch's CPU kernel), hidden
+
     def mask_mod(b, h, q_idx, kv_idx):
         q_blk = q_idx // block_len
         q_pos = block_start[b, q_blk] + q_idx % block_len
         is_context = kv_idx < context_len
-        block_offset = (kv_idx - context_len).clamp(min=0)
+        block_offset = (kv_idx - context_len).clamp(min=0, max=q_len - 1)
         k_blk_index = block_offset // block_len
         k_pos = torch.where(is_context, kv_idx, block_start[b, k_blk_index] + block_offset % block_len)
         k_blk = torch.where(is_context, -1, k_blk_index)
-        return dflash_visibility(q_pos, q_blk, context_end[b, q_blk], k_pos, k_blk, causal=causal, window=window)
+        visible = dflash_visibility(q_pos, q_blk, context_end[b, q_blk], k_pos, k_blk, causal=causal, window=window)
+        return visible & (kv_idx < kv_len)
 
-    q_len = num_blocks * block_len
-    return create_block_mask(mask_mod, bsz, None, q_len, context_len + q_len, device=block_start.device)
+    return create_block_mask(mask_mod, bsz, None, q_len, padded, device=block_start.device)
 
 
 # ----------------------------------------------------------------------------------------------------
