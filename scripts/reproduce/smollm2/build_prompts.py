@@ -23,7 +23,7 @@ from pathlib import Path
 
 NAMES = ["Ava", "Ben", "Chloe", "Diego", "Emma", "Farid", "Grace", "Hiro", "Ines", "Jonas", "Kira", "Liam", "Maya",
          "Noah", "Olga", "Priya", "Quinn", "Rosa", "Sam", "Tara"]  # fmt: skip
-SAMPLE = {"code": 1200, "chat": 600}  # sizes of the random samples the requested counts are taken from
+SAMPLE = {"code": 2500, "chat": 1500}  # sizes of the random samples the requested counts are taken from
 ITEMS = ["apples", "pencils", "stickers", "marbles", "cookies", "books", "stamps", "shells", "cards", "eggs"]
 
 
@@ -49,6 +49,40 @@ def _problem(rng: random.Random) -> str:
         f"{a} have at least as much as {b}, if {a} starts from zero? Explain step by step.",
         f"A rectangle is {x} cm long and {y} cm wide. What are its area and its perimeter?",
         f"{a} scored {x}, {x + y}, and {x + z} points in three games. What was {a}'s average score?",
+        f"{a} bakes {x} {item} and sells them for ${price} each. {a} spent ${y} on ingredients. How much profit "
+        f"does {a} make?",
+        f"There are {x} students in a class. {z} of every 10 students walk to school and the rest take the bus. "
+        f"How many students take the bus? Round to the nearest whole number.",
+        f"{a} runs {y} km every weekday and {z} km on Saturday. How many km does {a} run in 4 weeks?",
+        f"A jar holds {x * 3} {item}. {a} takes a third of them and {b} takes {y} of what is left. How many {item} "
+        f"remain in the jar?",
+        f"A movie ticket costs ${z + 5} for adults and ${z} for children. {a} buys tickets for 2 adults and {y} "
+        f"children. What is the total cost?",
+        f"{a} works {y} hours a day, {z % 5 + 3} days a week, and earns ${x} per hour. How much does {a} earn in a "
+        f"week?",
+        f"A farmer has {x} chickens and {y} cows. How many legs do the animals have in total?",
+        f"{a} had ${x * 10}. {a} spent a quarter of it on a jacket and ${y} on lunch. How much money is left?",
+        f"A pool is filled at {z} liters per minute. How many minutes does it take to fill {x * z * 10} liters? "
+        f"How many hours is that?",
+        f"{a} is reading a {x * 20}-page book. On the first day {a} reads {y * 3} pages and then {z * 4} pages "
+        f"every day after that. How many days does it take to finish the book?",
+        f"The price of a box of {item} went up from ${x} to ${x + y}. By what percent did the price increase?",
+        f"{a} and {b} share {x * 6} {item} in the ratio 1:2. How many {item} does each of them get?",
+        f"A car uses {z} liters of fuel per 100 km. Fuel costs ${price} per liter. How much does a {x * 10} km trip "
+        f"cost?",
+        f"{a} plants {y} rows of trees with {z} trees in each row. {x % 7 + 1} trees do not survive. How many trees "
+        f"are left?",
+        f"A class collects {x} cans on Monday, {x + y} on Tuesday and twice Tuesday's amount on Wednesday. The goal "
+        f"is {x * 10} cans. How many more cans are needed?",
+        f"{a} is {z} times as old as {b}. In {y} years {b} will be {y + x % 10 + 2} years old. How old is {a} now?",
+        f"A recipe needs {z} cups of flour for {y} cookies. How many cups of flour are needed for {y * x % 97 + y} "
+        f"cookies?",
+        f"{a} downloads a file of {x * 100} MB at {z * 5} MB per second. How long does the download take in "
+        f"seconds and in minutes?",
+        f"A square garden has a side of {x} meters. {a} puts a fence around it that costs ${z} per meter. What is "
+        f"the cost of the fence?",
+        f"{a} has {x} dollars and wants to buy {y} {item} that cost ${price} each. Does {a} have enough money, and "
+        f"how much is left over or missing?",
     ]
     return rng.choice(templates)
 
@@ -81,8 +115,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--corpus", default="outputs/corpus", help="output folder of build_corpus.py")
     parser.add_argument("--out", default="outputs/smollm2/prompts")
-    parser.add_argument("--code", type=int, default=500, help="code requests (at most 1,200)")
-    parser.add_argument("--chat", type=int, default=250, help="two-turn chats (at most 600)")
+    parser.add_argument("--code", type=int, default=500, help="code requests (at most 2,500)")
+    parser.add_argument("--chat", type=int, default=250, help="two-turn chats (at most 1,500)")
     parser.add_argument("--math", type=int, default=800, help="math word problems")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()

@@ -17,7 +17,8 @@ $DMTP setup-target smollm2 $OUT/target
 # 2. prompts (stdlib code requests, chitchat two-turn chats, template math problems) and the target's own answers
 [ -f outputs/corpus/train_code_chat.jsonl ] || $PY scripts/reproduce/build_corpus.py --out outputs/corpus
 [ -f $OUT/prompts/train_math.jsonl ] || $PY scripts/reproduce/smollm2/build_prompts.py --corpus outputs/corpus \
-    --out $OUT/prompts --code 500 --chat 250 --math 800
+    --out $OUT/prompts --code 2000 --chat 1000 --math 2000
+$PY scripts/reproduce/smollm2/magpie.py --target $OUT/target --out $OUT/prompts/train_magpie.jsonl --count 1500
 bash scripts/reproduce/smollm2/regenerate.sh $OUT/target $OUT/prompts $OUT/regenerated
 
 # 3. offline features: the draft's target layers and the hidden the MTP head reads (bf16 on disk)

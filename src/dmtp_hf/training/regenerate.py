@@ -80,6 +80,8 @@ def regenerate(
         template_kwargs["enable_thinking"] = enable_thinking
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     todo = _records_to_do(input_path, output_path, limit)
+    # Batches of similar prompt lengths pad (and so compute) less; the output order does not matter (ids do).
+    todo.sort(key=lambda record: len(tokenizer.apply_chat_template(record[1][:1], tokenize=False)))
 
     device = next(target.parameters()).device
     sampling = {"do_sample": False} if temperature == 0 else {"do_sample": True, "temperature": temperature}
