@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             "mtp1": (MTPDrafter(draft.native_mtp, 1), "rebuild"),
             "mtp4": (MTPDrafter(draft.native_mtp, 4), "rebuild"),
             # fixed device-side slots; CUDA graphs for MTP advance, T1 + fusion and the DFlash block on GPU
-            "dmtp-fast": (DMTPDrafter(draft, draft.native_mtp, fixed_slots=True), "rebuild"),
+            "dmtp-fast": (DMTPDrafter(draft, draft.native_mtp, fixed_shapes=True), "rebuild"),
         }
         # Interleave strategies and plain steps over repetitions and keep medians: machine noise hits all alike.
         samples: dict[str, list[dict]] = {name: [] for name in strategies}

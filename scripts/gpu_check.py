@@ -142,9 +142,9 @@ def run(target, prompt, drafter, kwargs, profile=False):
 def drafters(dmtp, dflash, fixed: bool = True, graphs: bool = True) -> dict:
     """The fast-path drafters compared (``fixed=False``: the dynamic DMTP drafter)."""
     return {
-        "dmtp": DMTPDrafter(dmtp, dmtp.native_mtp, fixed_slots=fixed, cuda_graphs=graphs),
-        "dflash": DFlashDrafter(dflash, fixed_slots=fixed, cuda_graphs=graphs),
-        "mtp1": MTPDrafter(dmtp.native_mtp, 1, fixed_slots=fixed, cuda_graphs=graphs),
+        "dmtp": DMTPDrafter(dmtp, dmtp.native_mtp, fixed_shapes=fixed, cuda_graphs=graphs),
+        "dflash": DFlashDrafter(dflash, fixed_shapes=fixed, cuda_graphs=graphs),
+        "mtp1": MTPDrafter(dmtp.native_mtp, 1, fixed_shapes=fixed, cuda_graphs=graphs),
     }
 
 

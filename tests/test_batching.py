@@ -25,12 +25,12 @@ class BatchOracle(DrafterWrapper):
         for row, ref in enumerate(references):
             self.reference[row, : ref.shape[0]] = ref
 
-    def select_rows(self, rows):
+    def select_rows(self, rows, rows_host):
         self.reference = self.reference[rows]
-        return self.inner.select_rows(rows)
+        return self.inner.select_rows(rows, rows_host)
 
-    def propose(self, prefix, anchor_positions, select, stats):
-        proposal = self.inner.propose(prefix, anchor_positions, select, stats)
+    def propose(self, anchor_ids, anchor_positions, select, stats, max_candidates=None):
+        proposal = self.inner.propose(anchor_ids, anchor_positions, select, stats, max_candidates)
         batch, k = proposal.tokens.shape
         lengths = torch.tensor([self.rng.randint(0, k) for _ in range(batch)])
         index = (anchor_positions[:, None] + 1 + torch.arange(k)).clamp(max=self.reference.shape[1] - 1)
@@ -120,15 +120,20 @@ def test_batched_rows_finish_independently_at_eos(targets):
 
     # finished rows leave the batch: later rounds run on fewer rows, and the output is unchanged
     batch_sizes = []
+
+    class RowCounter(DrafterWrapper):  # the batch size of every round
+        def propose(self, anchor_ids, *args):
+            batch_sizes.append(anchor_ids.shape[0])
+            return super().propose(anchor_ids, *args)
+
     direct, _ = speculative_decode(
         target,
         ids,
-        DMTPDrafter(draft, draft.native_mtp),
+        RowCounter(DMTPDrafter(draft, draft.native_mtp)),
         max_length=ids.shape[1] + MAX_NEW,
         attention_mask=mask,
         eos_token_id=torch.tensor([eos]),
         pad_token_id=0,
-        on_round=lambda cache, prefix: batch_sizes.append(prefix.shape[0]),
     )
     assert torch.equal(direct, out[:, : direct.shape[1]])
     assert batch_sizes[0] == 4 and min(batch_sizes) < 4

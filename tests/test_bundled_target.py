@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dmtp_hf.assistant.drafter_state import MTPCache
+from dmtp_hf.assistant.drafter_state import MTPState
 from dmtp_hf.bundled import NotBuiltError, default_paths
 from dmtp_hf.modeling.native_mtp import load_native_mtp
 
@@ -99,7 +99,7 @@ def test_real_layout_round_trip_float32(tmp_path):
     torch.testing.assert_close(actual_out.mtp_logits, expected_out.mtp_logits, atol=1e-6, rtol=1e-6)
     # The decoding-round API of the loaded head agrees with the teacher-forced training pass.
     hidden = loaded(input_ids=input_ids, output_hidden_states=True).hidden_states[-1]
-    state = MTPCache(loaded_head)
+    state = MTPState(loaded_head)
     state.consume(input_ids[:, 1:-1], hidden[:, :-2])  # the pairs of the training pass
     logits, _ = state.predict()
     torch.testing.assert_close(logits, expected_out.mtp_logits[:, -1], atol=1e-5, rtol=1e-5)

@@ -25,10 +25,11 @@ class OracleMix(DrafterWrapper):
         super().__init__(inner)
         self.reference, self.rng = reference, random.Random(seed)
 
-    def propose(self, prefix, anchor_positions, select, stats):
-        proposal = self.inner.propose(prefix, anchor_positions, select, stats)
+    def propose(self, anchor_ids, anchor_positions, select, stats, max_candidates=None):
+        proposal = self.inner.propose(anchor_ids, anchor_positions, select, stats, max_candidates)
         tokens = proposal.tokens.clone()
-        truth = self.reference[:, prefix.shape[1] : prefix.shape[1] + self.rng.randint(0, self.num_candidates)]
+        length = int(anchor_positions[0]) + 1  # committed tokens (one unpadded row)
+        truth = self.reference[:, length : length + self.rng.randint(0, proposal.tokens.shape[1])]
         tokens[:, : truth.shape[1]] = truth
         return Proposal(tokens, proposal.scores)
 
@@ -65,6 +66,35 @@ def test_greedy_identical_to_generate_for_every_strategy(targets, family):
             assert torch.equal(out, reference), f"{family}/{name} oracle={oracle}"
             if oracle:  # several different acceptance lengths were exercised
                 assert sum(1 for count in stats.hist if count) >= 2, stats.hist
+
+
+class FewerCandidates(DrafterWrapper):
+    """Asks the inner drafter for a different number of candidates (1..K) every round."""
+
+    def __init__(self, inner, seed=0):
+        super().__init__(inner)
+        self.rng, self.widths = random.Random(seed), []
+
+    def propose(self, anchor_ids, anchor_positions, select, stats, max_candidates=None):
+        width = self.rng.randint(1, self.num_candidates)
+        proposal = self.inner.propose(anchor_ids, anchor_positions, select, stats, width)
+        assert proposal.tokens.shape[1] == width and (proposal.scores is None or proposal.scores.shape[1] == width)
+        self.widths.append(width)
+        return proposal
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "deepseek_v3"])
+def test_drafters_may_propose_fewer_candidates_and_stay_lossless(targets, family):
+    target = targets[family]
+    prompt = torch.tensor([[5, 17, 42, 9, 77, 3]])
+    reference = greedy_reference(target, prompt)
+    for name, drafter in strategies(target).items():
+        for fast in (False, True):
+            drafter.fixed_shapes = fast
+            fewer = FewerCandidates(OracleMix(drafter, reference, seed=3), seed=5)
+            out, stats = speculative_decode(target, prompt, fewer, max_length=reference.shape[1])
+            assert torch.equal(out, reference), (name, fast)
+            assert len(set(fewer.widths)) > 1 or drafter.num_candidates == 1
 
 
 @pytest.mark.parametrize(
@@ -128,9 +158,9 @@ def test_generate_entry_points_and_edge_cases(targets):
 
     # a draft that is always wrong still decodes losslessly (one token per round)
     class AlwaysWrong(DMTPDrafter):
-        def propose(self, prefix, anchor_positions, select, stats):
-            proposal = super().propose(prefix, anchor_positions, select, stats)
-            truth = reference[:, prefix.shape[1]]
+        def propose(self, anchor_ids, anchor_positions, select, stats, max_candidates=None):
+            proposal = super().propose(anchor_ids, anchor_positions, select, stats, max_candidates)
+            truth = reference[:, int(anchor_positions[0]) + 1]
             return Proposal(torch.where(proposal.tokens == truth, (truth + 1) % 100, proposal.tokens), None)
 
     wrong = AlwaysWrong(draft, draft.native_mtp)
@@ -186,10 +216,10 @@ def test_cache_after_every_round_equals_fresh_prefill(targets, family):
     target = targets[family]
     prompt = torch.tensor([[21, 22, 23, 24, 25, 26]])
     reference = greedy_reference(target, prompt)
-    drafter = OracleMix(strategies(target)["dmtp"], reference, seed=11)
+    cache = DynamicCache(config=target.config)
     checked = []
 
-    def check(cache, sequence):
+    def check(sequence):
         fresh = DynamicCache(config=target.config)
         with torch.no_grad():
             target(sequence[:, :-1], cache=fresh, use_cache=True)
@@ -200,7 +230,18 @@ def test_cache_after_every_round_equals_fresh_prefill(targets, family):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
         checked.append(sequence.shape[1])
 
-    speculative_decode(target, prompt, drafter, max_length=reference.shape[1], on_round=check)
+    class Checked(OracleMix):  # after every commit and rollback, before the drafter advances
+        def propose(self, anchor_ids, anchor_positions, select, stats, max_candidates=None):
+            self.select = select
+            return super().propose(anchor_ids, anchor_positions, select, stats, max_candidates)
+
+        def advance(self, step, stats=None):
+            check(self.select.committed_ids()[0])
+            super().advance(step, stats)
+
+    drafter = Checked(strategies(target)["dmtp"], reference, seed=11)
+    out, _ = speculative_decode(target, prompt, drafter, max_length=reference.shape[1], cache=cache)
+    check(out)  # and after the last round
     assert len(checked) >= 3
     if family.startswith("qwen"):
         assert any(

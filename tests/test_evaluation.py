@@ -113,8 +113,9 @@ class TargetOracle(Drafter):
     def advance(self, *args, **kwargs):
         self.inner.advance(*args, **kwargs)
 
-    def propose(self, sequence, select, stats, *args, **kwargs):
-        proposal = self.inner.propose(sequence, select, stats, *args, **kwargs)
+    def propose(self, anchor_ids, anchor_positions, select, stats, *args, **kwargs):
+        proposal = self.inner.propose(anchor_ids, anchor_positions, select, stats, *args, **kwargs)
+        sequence = select.committed_ids()[0]
         count = self.rng.randint(0, self.num_candidates)
         if not count:
             return proposal

@@ -1,4 +1,4 @@
-"""The fixed-slot fast path (``fixed_slots=True``, assistant/drafter_state.py): the same proposals as the dynamic
+"""The fast path (``fixed_shapes=True``, assistant/drafter_state.py): the same proposals as the default
 drafters, round by round, for every family and strategy, batched with ragged acceptance and left padding, greedy
 and sampled; CUDA-graph replay equals eager where a GPU exists."""
 
@@ -9,7 +9,7 @@ from test_engine import OracleMix, greedy_reference
 
 from dmtp_hf.assistant import speculative_decode
 from dmtp_hf.assistant.cuda_graphs import CUDAGraphCall
-from dmtp_hf.assistant.drafter_state import FAR, SlotCache
+from dmtp_hf.assistant.drafter_state import FAR, SlotKV
 from dmtp_hf.assistant.drafters import DFlashDrafter, DMTPDrafter, DrafterWrapper, MTPDrafter
 from dmtp_hf.testing.tiny_targets import FAMILIES
 
@@ -23,8 +23,8 @@ class Recorder(DrafterWrapper):
         super().__init__(inner)
         self.proposals = []
 
-    def propose(self, prefix, anchor_positions, select, stats):
-        proposal = self.inner.propose(prefix, anchor_positions, select, stats)
+    def propose(self, anchor_ids, anchor_positions, select, stats, max_candidates=None):
+        proposal = self.inner.propose(anchor_ids, anchor_positions, select, stats, max_candidates)
         self.proposals.append(proposal.tokens.clone())
         return proposal
 
@@ -34,10 +34,10 @@ def pairs(target):
     dual = draft_for(target)
     dflash = draft_for(target, anchor_layout="dflash")
     return {
-        "dmtp": (DMTPDrafter(dual, dual.native_mtp), DMTPDrafter(dual, dual.native_mtp, fixed_slots=True)),
-        "dflash": (DFlashDrafter(dflash), DFlashDrafter(dflash, fixed_slots=True)),
-        "mtp1": (MTPDrafter(dual.native_mtp, 1), MTPDrafter(dual.native_mtp, 1, fixed_slots=True)),
-        "mtp4": (MTPDrafter(dual.native_mtp, 4), MTPDrafter(dual.native_mtp, 4, fixed_slots=True)),
+        "dmtp": (DMTPDrafter(dual, dual.native_mtp), DMTPDrafter(dual, dual.native_mtp, fixed_shapes=True)),
+        "dflash": (DFlashDrafter(dflash), DFlashDrafter(dflash, fixed_shapes=True)),
+        "mtp1": (MTPDrafter(dual.native_mtp, 1), MTPDrafter(dual.native_mtp, 1, fixed_shapes=True)),
+        "mtp4": (MTPDrafter(dual.native_mtp, 4), MTPDrafter(dual.native_mtp, 4, fixed_shapes=True)),
     }
 
 
@@ -109,24 +109,41 @@ def test_fast_path_through_target_generate(targets):
 
 
 def test_slot_cache_writes_compacted_rows_and_scratch_is_invisible():
-    cache = SlotCache(capacity=6)
+    cache = SlotKV(fixed_shapes=True)
+    cache.limit = 6
     cache.reset(2, torch.device("cpu"))
     valid = torch.tensor([[False, True, True], [True, False, False]])
     positions = torch.tensor([[0, 0, 1], [0, 1, 2]])
+    assert cache.begin([2, 1], 3) == 2  # the span: the longest row, not the capacity
     cache.prepare(valid, positions)
     key = torch.arange(2 * 3, dtype=torch.float).view(2, 1, 3, 1)
     keys, _ = cache.update(key, key, 0)
-    assert cache.lengths.tolist() == [2, 1]
+    assert cache.lengths.tolist() == [2, 1] and keys.shape[2] == 2
     # row 0: its two valid slots land at 0 and 1; row 1: one slot at 0; invalid slots go to the scratch column 6
     assert keys[0, 0, :2, 0].tolist() == [1.0, 2.0] and keys[1, 0, 0, 0].item() == 3.0
-    assert cache.valid().tolist() == [[True, True] + [False] * 5, [True] + [False] * 6]
-    assert cache.visible_positions()[:, -1].tolist() == [FAR, FAR]
-    saved = cache.lengths.clone()
+    assert cache.key_valid().tolist() == [[True, True], [True, False]]
+    assert cache.positions[:, cache.capacity].tolist() == [FAR, FAR]
+    saved = cache.save()
+    cache.begin(None, 1)
     cache.prepare(torch.ones(2, 1, dtype=torch.bool), torch.tensor([[2], [1]]))
     cache.update(key[:, :, :1], key[:, :, :1], 0)
-    assert cache.lengths.tolist() == [3, 2]
-    cache.lengths.copy_(saved)  # rollback is just the lengths
-    assert cache.valid().sum(-1).tolist() == [2, 1]
+    assert cache.lengths.tolist() == [3, 2] and cache.span == 4  # fixed shapes: spans are powers of two
+    cache.restore(saved)  # rollback is just the lengths
+    assert cache.key_valid().sum(-1).tolist() == [2, 1]
+
+
+def test_slots_grow_without_fixed_shapes_and_attention_spans_only_the_filled_prefix():
+    cache = SlotKV()
+    cache.reset(1, torch.device("cpu"))
+    total = 0
+    for width in (300, 8, 200):  # past the initial capacity twice
+        cache.begin(None, width)
+        cache.prepare(torch.ones(1, width, dtype=torch.bool), torch.arange(total, total + width)[None])
+        keys, _ = cache.update(torch.ones(1, 1, width, 2) * width, torch.zeros(1, 1, width, 2), 0)
+        total += width
+        assert keys.shape[2] == total and cache.key_valid() is None  # exact span, every slot real
+    assert cache.capacity >= total and keys[0, 0, :300, 0].eq(300).all() and keys[0, 0, 308:, 0].eq(200).all()
+    assert cache.key_positions()[0].tolist() == list(range(total))
 
 
 def test_graph_call_runs_eagerly_without_cuda():
@@ -146,8 +163,8 @@ def test_cuda_graph_replay_matches_eager(targets):
     prompt = torch.tensor([[5, 17, 42, 9, 77, 3, 64]], device="cuda")
     reference = greedy_reference(target, prompt)
     dual = draft_for(target).cuda()
-    eager = DMTPDrafter(dual, dual.native_mtp, fixed_slots=True, cuda_graphs=False)
-    graphed = DMTPDrafter(dual, dual.native_mtp, fixed_slots=True, cuda_graphs=True)
+    eager = DMTPDrafter(dual, dual.native_mtp, fixed_shapes=True, cuda_graphs=False)
+    graphed = DMTPDrafter(dual, dual.native_mtp, fixed_shapes=True, cuda_graphs=True)
     out_e, _, proposals_e = _run(target, prompt, eager, reference, seed=2)
     out_g, _, proposals_g = _run(target, prompt, graphed, reference, seed=2)
     assert torch.equal(out_g, reference) and torch.equal(out_e, out_g)

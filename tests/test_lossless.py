@@ -200,7 +200,7 @@ def run_case(fuzz_models, case):
     if "stop_strings" in options:
         options["tokenizer"] = tokenizer
     plain = target.generate(ids, attention_mask=mask, do_sample=False, **options)
-    fast = {"fixed_slots": case["fast_path"]}
+    fast = {"fixed_shapes": case["fast_path"]}
     drafter = {
         "dmtp": lambda: DMTPDrafter(dmtp, dmtp.native_mtp, **fast),
         "dflash": lambda: DFlashDrafter(dflash, **fast),
@@ -304,7 +304,7 @@ def test_sampled_output_has_the_targets_distribution(vocab6, name, strategy, pro
         assert len(exact_distribution(target, prompt, 1, processors)) < 6  # the processors forbid tokens (p = 0)
     drafter = _tiny_vocab_drafter(target, strategy)
     if extra.get("fast_path"):
-        drafter.fixed_slots = True
+        drafter.fixed_shapes = True
     counts, accepted = {}, 0
     torch.manual_seed(99)
     for _ in range(runs):
@@ -382,7 +382,52 @@ def test_flash_attention_target_with_a_batch_is_refused_before_prefill(tmp_path)
 def test_fixed_slots_too_small_fail_before_any_write(targets):
     target = targets["qwen3_5"]
     draft = draft_for(target)
-    drafter = DMTPDrafter(draft, draft.native_mtp, fixed_slots=True)
+    drafter = DMTPDrafter(draft, draft.native_mtp, fixed_shapes=True)
     drafter.reserve = lambda max_positions: setattr(drafter, "capacity", 6)  # a caller that reserved too little
     with pytest.raises(ValueError, match="fixed slots per row"):
         speculative_decode(target, torch.tensor([[5, 6, 7, 8, 9, 10]]), drafter, max_length=12)
+
+
+def test_prefix_free_processors_never_read_input_ids():
+    """The processors run once over a whole round (`process_flat`) are exactly those whose output does not depend on
+    input_ids at all; anything else, a user processor included, is called per position with its exact prefix."""
+    from transformers import (
+        EpsilonLogitsWarper,
+        EtaLogitsWarper,
+        InfNanRemoveLogitsProcessor,
+        LogitNormalization,
+        LogitsProcessor,
+        MinPLogitsWarper,
+        RepetitionPenaltyLogitsProcessor,
+        SuppressTokensLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+        TypicalLogitsWarper,
+    )  # fmt: skip
+
+    from dmtp_hf.assistant.processing import _PREFIX_FREE, process_flat, reads_input_ids
+
+    free = [
+        TemperatureLogitsWarper(0.7), TopKLogitsWarper(5), TopPLogitsWarper(0.8), MinPLogitsWarper(0.1),
+        TypicalLogitsWarper(0.9), EpsilonLogitsWarper(3e-2), EtaLogitsWarper(3e-2), LogitNormalization(),
+        InfNanRemoveLogitsProcessor(), SuppressTokensLogitsProcessor([1, 2]),
+    ]  # fmt: skip
+    assert {type(p) for p in free} == set(_PREFIX_FREE)
+    scores = torch.randn(3, 4, 40, generator=torch.Generator().manual_seed(0))
+    history = torch.randint(0, 40, (12, 9), generator=torch.Generator().manual_seed(1))
+    for processor in free:
+        processors = LogitsProcessorList([processor])
+        assert not reads_input_ids(processors)
+        with_history = processors(history, scores.reshape(12, 40).clone()).view(3, 4, 40)
+        torch.testing.assert_close(process_flat(scores, processors), with_history, rtol=0, atol=0)
+
+    class Passthrough(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            return scores
+
+    declared = Passthrough()
+    declared.reads_input_ids = False
+    assert reads_input_ids(LogitsProcessorList([Passthrough()]))
+    assert reads_input_ids(LogitsProcessorList([TemperatureLogitsWarper(0.7), RepetitionPenaltyLogitsProcessor(1.3)]))
+    assert not reads_input_ids(LogitsProcessorList([declared, TemperatureLogitsWarper(0.7)]))

@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoModel
 
 from dmtp_hf import DMTPConfig, DMTPDraftModel
 from dmtp_hf.modeling import dflash_visibility
-from dmtp_hf.modeling.modeling_dmtp import attention_mask_for_implementation
+from dmtp_hf.modeling.attention_masks import attention_mask_for_implementation
 
 # ----------------------------------------------------------------------------------------------------
 # A DFlash checkpoint written by hand in the z-lab / SpecForge layout

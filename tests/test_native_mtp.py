@@ -11,7 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import dmtp_hf.modeling.native_mtp.loading as loading
-from dmtp_hf.assistant.drafter_state import MTPCache
+from dmtp_hf.assistant.drafter_state import MTPState
 from dmtp_hf.modeling.native_mtp import (
     MissingMTPTensorsError,
     MTPLayout,
@@ -30,7 +30,7 @@ from dmtp_hf.testing import FAMILIES, load_tiny_target, make_tiny_llama, make_ti
 from dmtp_hf.testing.tiny_targets import TINY_FP8_BLOCK
 
 
-class RoundState(MTPCache):
+class RoundState(MTPState):
     """The MTP round state as these tests drive it: ``prefill`` starts afresh, ``advance`` continues."""
 
     def prefill(self, tokens, hidden, position_ids=None, attention_mask=None):
@@ -286,8 +286,8 @@ def test_mtp1_greedy_decoding_is_lossless(tiny, family):
 
 
 def cache_kv(state):
-    layer = state.cache.layers[0]
-    return layer.keys.clone(), layer.values.clone()
+    span = state.kv.span
+    return state.kv.keys[0][:, :, :span].clone(), state.kv.values[0][:, :, :span].clone()
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "deepseek_v3"])

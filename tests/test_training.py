@@ -527,3 +527,23 @@ def test_example_configs_list_every_field(name):
     assert config.anchor_layout == ("dual" if name == "example-dmtp" else "dflash")
     with pytest.raises(ValueError, match="Unknown config key"):
         TrainConfig.from_yaml(path, ["learning_rat=0.1"])
+
+
+def test_train_config_names_the_key_of_every_bad_setting(tmp_path):
+    base = {"target_model": "t", "train_data": "d", "output_dir": str(tmp_path)}
+    assert TrainConfig.from_dict({**base, "max_grad_norm": 1}).max_grad_norm == 1.0  # YAML's 1 is a valid float
+    bad = {
+        "learning_rat": "Unknown config key",
+        "micro_batch_size": ("2", "micro_batch_size"),
+        "anchor_layout": ("triple", "anchor_layout"),
+        "lora": ("yes", "lora"),
+        "num_anchors": (0, "num_anchors must be >= 1"),
+    }
+    for key, expected in bad.items():
+        value, message = (1, expected) if isinstance(expected, str) else expected
+        with pytest.raises(ValueError, match=message):
+            TrainConfig.from_dict({**base, key: value})
+    with pytest.raises(ValueError, match="output_dir"):
+        TrainConfig.from_dict({"target_model": "t", "train_data": "d"})
+    with pytest.raises(ValueError, match="joint"):
+        TrainConfig.from_dict({**base, "train_mtp_head": "joint", "anchor_layout": "dflash"})

@@ -85,6 +85,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``dmtp`` console script."""
+    from .modeling.configuration_dmtp import ANCHOR_LAYOUTS, FUSIONS
+
     parser = argparse.ArgumentParser(
         prog="dmtp", description="DMTP speculative decoding: demo, conversion, training, evaluation, benchmarks."
     )
@@ -105,8 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("source", type=Path)
     convert.add_argument("destination", type=Path)
     convert.add_argument("--to", choices=["dmtp", "dflash"], default="dmtp")
-    convert.add_argument("--anchor-layout", choices=["dflash", "single", "dual"])
-    convert.add_argument("--fusion", choices=["none", "hidden_residual", "residual", "replace"])
+    convert.add_argument("--anchor-layout", choices=ANCHOR_LAYOUTS)
+    convert.add_argument("--fusion", choices=FUSIONS)
     convert.add_argument("--num-candidates", type=int)
     convert.set_defaults(func=_cmd_convert)
 

@@ -3,7 +3,7 @@ statistics, and the entry points (``generate``, ``custom_generate``, the ``targe
 
 from .candidate_generator import DMTPCandidateGenerator, generate_with_transformers_loop
 from .decoding import speculative_decode
-from .drafter_state import DFlashContext, MTPCache, MTPSlots, SlotCache, SlotDFlashContext
+from .drafter_state import DFlashContext, MTPState, SlotKV
 from .drafters import DFlashDrafter, DMTPDrafter, Drafter, DrafterWrapper, MTPDrafter, Proposal, TokenSelector
 from .generate import DMTPGenerateOutput, as_drafter, dmtp_custom_generate, generate
 from .router import install_generate_router, route_bound_targets
@@ -19,12 +19,10 @@ __all__ = [
     "DMTPGenerateOutput",
     "Drafter",
     "DrafterWrapper",
-    "MTPCache",
     "MTPDrafter",
-    "MTPSlots",
+    "MTPState",
     "Proposal",
-    "SlotCache",
-    "SlotDFlashContext",
+    "SlotKV",
     "SpecStats",
     "TargetStep",
     "TokenSelector",

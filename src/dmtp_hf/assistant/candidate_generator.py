@@ -70,7 +70,7 @@ class DMTPCandidateGenerator(CandidateGenerator):
             self.drafter.start(step)
             self.started = True
         anchor = torch.tensor([input_ids.shape[1] - 1], device=input_ids.device)
-        proposal = self.drafter.propose(input_ids, anchor, self.select, self.stats)
+        proposal = self.drafter.propose(input_ids[:, -1], anchor, self.select.for_prefix(input_ids), self.stats)
         scores = proposal.scores if self.do_sample else None
         return torch.cat([input_ids, proposal.tokens], dim=1), scores
 

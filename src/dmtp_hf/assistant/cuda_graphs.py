@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
@@ -47,11 +47,12 @@ class CUDAGraphCall:
         """Drop every captured graph (after the state was reallocated, e.g. rows left the batch)."""
         self.graphs.clear()
 
-    def __call__(self, *inputs: torch.Tensor):
-        """``fn(*inputs)``: a graph replay on CUDA (captured on first use of this signature), else a plain call."""
+    def __call__(self, *inputs: torch.Tensor, key: Hashable = None):
+        """``fn(*inputs)``: a graph replay on CUDA (captured on first use of this signature: the inputs' shapes and
+        dtypes plus ``key``, e.g. the attention span the call reads), else a plain call."""
         if not (self.enabled and inputs[0].is_cuda):
             return self.fn(*inputs)
-        key = tuple((tuple(t.shape), t.dtype) for t in inputs)
+        key = (tuple((tuple(t.shape), t.dtype) for t in inputs), key)
         entry = self.graphs.get(key)
         if entry is None:
             started = time.perf_counter()

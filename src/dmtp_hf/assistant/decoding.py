@@ -19,14 +19,12 @@ synchronises with the host once per round (the committed counts, which statistic
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 from transformers.cache_utils import Cache, DynamicCache
 
 from ..modeling.native_mtp.hidden import TargetHiddenExtractor
-from .batch import Accepted, ActiveBatch
+from .batch import Accepted, ActiveBatch, RoundHost
 from .drafters import Drafter, TokenSelector
 from .linear_attention import is_gated_delta_net
 from .processing import RowProcessors
@@ -91,51 +89,54 @@ def accept(verdict, candidates: torch.Tensor, scores: torch.Tensor, batch: Activ
     """
     accepted = verdict.num_accepted  # [B]
     new_tokens = torch.cat([candidates, candidates[:, :1]], dim=1).scatter(1, accepted[:, None], verdict.bonus[:, None])
-    counts = torch.minimum(accepted + 1, batch.budget - batch.num_generated)
+    counts = torch.minimum(accepted + 1, stopping.budget(batch) - batch.num_generated)
     counts = torch.where(batch.finished, torch.zeros_like(counts), counts)
     counts, stop = stopping.clip(batch, new_tokens, counts, scores)
-    stop = (stop | (batch.num_generated + counts >= batch.budget)) & ~batch.finished
+    stop = (stop | (batch.num_generated + counts >= stopping.budget(batch))) & ~batch.finished
     return Accepted(new_tokens, counts, accepted, stop)
 
 
-def prefill(runner: TargetRunner, input_ids, attention_mask, max_length: int, pad: int, logits_processor, do_sample):
-    """The target over the prompt and the first generated token: ``(batch, prompt_mask, drafter start step, scores of
-    the first token)``."""
+def prefill(runner: TargetRunner, input_ids, attention_mask, max_length: int, stopping: RowStopping, logits_processor,
+            do_sample: bool, rollback: str, streamer):  # fmt: skip
+    """The target over the prompt and the first generated token: ``(batch, drafter start step, target cache
+    state)``; rows that end with the first token are marked finished."""
     prompt_mask = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
     positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)  # per-row positions under left padding
-    padded = not bool(prompt_mask.all())
+    prompt_lengths = prompt_mask.sum(-1)
+    lengths_host = prompt_lengths.tolist()
+    padded = min(lengths_host) < input_ids.shape[1]
     logits, features, mtp_hidden = runner.forward(
         input_ids, positions, attention_mask if padded else None, logits_to_keep=1
     )
     scores = process_logits(logits[:, -1], input_ids, logits_processor)  # the prompt is the processors' exact input
     first = select_tokens(scores, do_sample)
-    prefix = torch.cat([input_ids, first[:, None]], dim=1)  # committed tokens, right-aligned; last = A
-    batch = ActiveBatch(first, prompt_mask.sum(-1), prefix, max_length - input_ids.shape[1], pad)
-    step = TargetStep(positions, prefix[:, 1:], prompt_mask if padded else None, mtp_hidden, features)
-    return batch, prompt_mask, step, scores
+    batch = ActiveBatch(first, prompt_lengths, max_length - input_ids.shape[1], stopping.pad)
+    batch.stop(stopping.after_prefill(batch, scores))
+    if streamer is not None:
+        streamer.put(input_ids.cpu()), streamer.put(first.cpu())
+    next_tokens = torch.cat([input_ids[:, 1:], first[:, None]], dim=1)
+    step = TargetStep(positions, next_tokens, prompt_mask if padded else None, mtp_hidden, features,
+                      lengths_host if padded else None)  # fmt: skip
+    return batch, step, TargetCacheState(runner.target, runner.cache, prompt_mask, rollback, runner.replay)
 
 
-def report(requests: list[RequestStats], batch: ActiveBatch, accepted_host, counts_host, round_, streamer, prompt=None):
-    """Add the round to each active row's statistics (rows that committed nothing are not counted) and hand its
-    tokens to the streamer (batch size 1). With ``prompt``: stream the prompt and the first token instead."""
-    if prompt is not None:
-        if streamer is not None:
-            streamer.put(prompt.cpu()), streamer.put(batch.prefix[:, -1].cpu())
-        return
-    if streamer is not None and counts_host[0]:
-        streamer.put(round_.new_tokens[0, : counts_host[0]].cpu())
-    for request, accepted, count in zip(
-        [requests[r] for r in batch.rows_host], accepted_host, counts_host, strict=True
-    ):
+def report(requests: list[RequestStats], rows: list[int], host: RoundHost, round_: Accepted, streamer) -> None:
+    """Add the round to the statistics of each active row (caller ``rows``; rows that committed nothing are not
+    counted) and hand its tokens to the streamer (batch size 1)."""
+    if streamer is not None and host.counts[0]:
+        streamer.put(round_.new_tokens[0, : host.counts[0]].cpu())
+    for row, accepted, count in zip(rows, host.accepted, host.counts, strict=True):
         if count:
-            request.rounds += 1
-            request.hist[accepted] += 1
-            request.round_tokens += count
+            requests[row].rounds += 1
+            requests[row].hist[accepted] += 1
+            requests[row].round_tokens += count
 
 
-def check_inputs(target, mode: str, do_sample: bool, input_ids: torch.Tensor, attention_mask, streamer) -> None:
-    """Refuse, before any forward, what the engine cannot do losslessly: unknown or mismatched verification modes,
-    right-padded batches, ragged batches on a flash-attention-2 target, streaming a batch."""
+def check_inputs(target, verify_mode, do_sample: bool, input_ids: torch.Tensor, attention_mask, streamer) -> str:
+    """The verification mode (default: ``rejection`` when sampling, else ``greedy``), after refusing, before any
+    forward, what the engine cannot do losslessly: unknown or mismatched verification modes, right-padded batches,
+    ragged batches on a flash-attention-2 target, streaming a batch."""
+    mode = verify_mode or ("rejection" if do_sample else "greedy")
     if streamer is not None and input_ids.shape[0] > 1:
         raise ValueError("Streaming supports batch size 1 only (as in Transformers).")
     if attention_mask is not None and not bool(attention_mask[:, -1].all()):
@@ -156,13 +157,16 @@ def check_inputs(target, mode: str, do_sample: bool, input_ids: torch.Tensor, at
         raise ValueError(f"verify_mode={mode!r} samples the target: pass do_sample=True.")
     if mode == "greedy" and do_sample:
         raise ValueError("verify_mode='greedy' cannot be combined with do_sample=True; use 'match' or 'rejection'.")
+    return mode
 
 
-def check_cache(cache: Cache, batch_size: int, max_length: int, num_candidates: int) -> None:
-    """Static caches: batch size 1 and room for one verify past ``max_length``."""
+def target_cache(target, cache: Cache | None, batch_size: int, max_length: int, num_candidates: int) -> Cache:
+    """The target's cache for the call (a new ``DynamicCache`` by default). Static caches: batch size 1 and room for
+    one verify past ``max_length``."""
+    cache = cache if cache is not None else DynamicCache(config=target.config)
     capacity = static_capacity(cache)
     if capacity is None:
-        return
+        return cache
     if batch_size > 1:
         raise NotImplementedError("Static caches support batch size 1 (ragged rows grow the cache unboundedly).")
     if capacity < max_length + num_candidates + 1:
@@ -170,6 +174,16 @@ def check_cache(cache: Cache, batch_size: int, max_length: int, num_candidates: 
             f"The static cache holds {capacity} tokens, too few: speculative decoding up to max_length={max_length} "
             f"with {num_candidates} candidates needs {max_length + num_candidates + 1} slots."
         )
+    return cache
+
+
+def close(runner: TargetRunner, state: TargetCacheState | None, streamer) -> None:
+    """Detach every hook from the target and end the stream, whatever happened."""
+    runner.close()
+    if state is not None:
+        state.close()
+    if streamer is not None:
+        streamer.end()
 
 
 @torch.no_grad()
@@ -192,19 +206,12 @@ def speculative_decode(
     streamer=None,
     stats: SpecStats | None = None,
     profile: bool = False,
-    on_round: Callable[[Cache, torch.Tensor], None] | None = None,
 ) -> tuple[torch.Tensor, SpecStats]:
-    """Generate after ``input_ids`` ``[B, P]`` (left-padded by ``attention_mask``) with ``drafter``.
-
-    Returns ``(sequences, stats)``: ``[B, P + longest generation]`` as ``generate`` returns a batch. ``max_length``,
-    ``do_sample``, processors, criteria, EOS and pad mean what they mean in ``generate``. ``verify_mode``: ``greedy``,
-    ``match`` or ``rejection``; ``draft_sampling``: sample the candidates (default: for ``rejection``); ``rollback``:
-    ``rebuild`` or ``replay``; ``profile``: synchronised stage times; ``on_round(cache, prefix)`` after each commit.
-    """
-    mode = verify_mode or ("rejection" if do_sample else "greedy")
-    check_inputs(target, mode, do_sample, input_ids, attention_mask, streamer)
-    cache = cache if cache is not None else DynamicCache(config=target.config)
-    check_cache(cache, input_ids.shape[0], max_length, drafter.num_candidates)
+    """Generate after ``input_ids`` ``[B, P]`` (left-padded) with ``drafter``: ``(sequences, stats)`` as ``generate``
+    returns them. ``verify_mode``: ``greedy``, ``match``, ``rejection``; ``draft_sampling``: sample candidates (default:
+    for ``rejection``); ``rollback``: ``rebuild`` or ``replay``; ``profile``: synchronised stage times."""
+    mode = check_inputs(target, verify_mode, do_sample, input_ids, attention_mask, streamer)
+    cache = target_cache(target, cache, input_ids.shape[0], max_length, drafter.num_candidates)
     stats = stats if stats is not None else SpecStats(drafter.num_candidates, drafter.name)
     stats.sync_device, requests = input_ids.device if profile else None, [stats.new_request() for _ in input_ids]
     select = TokenSelector(logits_processor, mode == "rejection" if draft_sampling is None else draft_sampling)
@@ -213,22 +220,19 @@ def speculative_decode(
     runner, state = TargetRunner(target, drafter, cache), None
     try:
         with stats.stage("prefill"):
-            batch, prompt_mask, step, scores = prefill(runner, input_ids, attention_mask, max_length, stopping.pad,
-                                                       logits_processor, do_sample)  # fmt: skip
-            state = TargetCacheState(target, cache, prompt_mask, rollback, runner.replay)
-        batch.stop(stopping.after_prefill(batch, scores))
+            batch, step, state = prefill(runner, input_ids, attention_mask, max_length, stopping, logits_processor,
+                                         do_sample, rollback, streamer)  # fmt: skip
         select.for_batch(processors, batch)
-        report(requests, batch, None, None, None, streamer, prompt=input_ids)
         if not batch.done:
             with stats.stage("draft_prefill"):
                 drafter.reserve(max_length + 1)
                 drafter.start(step)
         with stats.stage("rounds"):  # every stage below runs inside; the stage times add up to this one
             while not batch.done:
-                # 1. Draft: K candidates per row after the committed tokens.
-                proposal = drafter.propose(batch.prefix, batch.anchor_positions, select, stats)
-                candidates = proposal.tokens  # [B, K]
-                # 2. Verify: one target forward over [A, T1..TK] at each row's positions a .. a+K.
+                # 1. Draft: up to K candidates per row after A, the last committed token.
+                proposal = drafter.propose(batch.last_tokens, batch.anchor_positions, select, stats)
+                candidates = proposal.tokens  # [B, k]
+                # 2. Verify: one target forward over [A, T1..Tk] at each row's positions a .. a+k.
                 with stats.stage("verify"):
                     verify_ids, verify_positions = batch.verify_inputs(candidates)
                     with state.verifying(verify_ids, verify_positions):
@@ -240,37 +244,27 @@ def speculative_decode(
                     round_ = accept(verdict, candidates, scores, batch, stopping)
                 # 4. Commit the tokens, then the target cache: A and the kept candidates become history.
                 with stats.stage("commit"):
-                    counts_host, accepted_host = batch.commit(round_)
-                    report(requests, batch, accepted_host, counts_host, round_, streamer)
+                    rows, host = batch.host.rows, batch.commit(round_)
+                    report(requests, rows, host, round_, streamer)
                 with stats.stage("rollback"):
-                    state.commit(round_.counts.clamp(min=1), [max(c, 1) for c in counts_host])
-                if on_round is not None:
-                    on_round(cache, batch.prefix)
-                step = round_.committed(verify_positions, mtp_hidden, features)
-                if any(batch.finished_host) and not batch.done:
-                    step, counts_host = leave(batch, drafter, state, step, counts_host)
-                # 5. Advance the drafter with the committed positions.
+                    state.commit(round_.counts.clamp(min=1), [max(c, 1) for c in host.counts])
+                step = round_.committed(verify_positions, mtp_hidden, features, host.counts)
+                if any(batch.host.finished) and not batch.done:
+                    step = leave(batch, drafter, state, step)
+                # 5. Advance the drafter with the committed positions; the MTP head's next g predicts the next T1.
                 if not batch.done:
-                    width = max(counts_host)
-                    drafter.advance(
-                        step if drafter.fixed_slots else step.narrow(width, min(counts_host) == width), stats
-                    )
-                    batch.anchor_positions = batch.anchor_positions + step.valid().sum(-1)
+                    drafter.advance(step, stats)
     finally:
-        runner.close()
-        if state is not None:
-            state.close()
-        if streamer is not None:
-            streamer.end()
-    return batch.sequences(input_ids), stats
+        close(runner, state, streamer)
+    return batch.sequences(input_ids, stopping.budget(batch)), stats
 
 
-def leave(batch: ActiveBatch, drafter: Drafter, state: TargetCacheState, step: TargetStep, counts_host: list[int]):
+def leave(batch: ActiveBatch, drafter: Drafter, state: TargetCacheState, step: TargetStep) -> TargetStep:
     """Finished rows leave the batch (when the drafter can drop rows), so later rounds do no work for them."""
-    keep_host = [i for i, done in enumerate(batch.finished_host) if not done]
+    keep_host = [i for i, done in enumerate(batch.host.finished) if not done]
     keep = torch.tensor(keep_host, device=batch.rows.device)
-    if not drafter.select_rows(keep):
-        return step, counts_host
+    if not drafter.select_rows(keep, keep_host):
+        return step
     batch.keep(keep, keep_host)
     state.select_rows(keep)
-    return step.select_rows(keep), [counts_host[i] for i in keep_host]
+    return step.select_rows(keep, keep_host)

@@ -4,9 +4,8 @@ them differ only in how candidates are proposed.
 
 A drafter sees the target only through :class:`TargetStep` (tokens, hidden states and context features of
 positions the target has just committed) and returns a :class:`Proposal` per round. Its state between rounds (the
-MTP cache, the DFlash context) lives in a backend from ``drafter_state.py``: growing dynamic caches by default,
-fixed device-side slots with ``fixed_slots=True`` (CUDA-graph replays on CUDA with ``cuda_graphs``). The backend
-changes where tensors live, never the proposals.
+MTP state, the DFlash context) lives in ``drafter_state.py``; ``fixed_shapes`` (the fast path) changes only the
+shapes it runs at (CUDA-graph replays on CUDA with ``cuda_graphs``), never the proposals.
 """
 
 from __future__ import annotations
@@ -20,11 +19,11 @@ from transformers import LogitsProcessorList
 from ..modeling.modeling_dmtp import DMTPDraftModel
 from ..modeling.native_mtp.head import NativeMTPHead
 from .batch import ActiveBatch
-from .drafter_state import DFlashContext, MTPCache, MTPSlots, SlotDFlashContext
-from .processing import RowProcessors
+from .drafter_state import DFlashContext, MTPState
+from .processing import RowProcessors, process_flat, reads_input_ids
 from .stats import SpecStats
 from .target_step import TargetStep
-from .verification import process_logits, select_tokens
+from .verification import select_tokens
 
 
 def _stage(stats: SpecStats | None, name: str):
@@ -35,8 +34,8 @@ def _stage(stats: SpecStats | None, name: str):
 class Proposal:
     """Candidates of one round and, for rejection sampling, the processed scores each was drawn from."""
 
-    tokens: torch.Tensor  # [B, K]
-    scores: torch.Tensor | None  # [B, K, V]
+    tokens: torch.Tensor  # [B, k], k <= K
+    scores: torch.Tensor | None  # [B, k, V]
 
 
 class TokenSelector:
@@ -44,32 +43,53 @@ class TokenSelector:
 
     ``do_sample=False`` takes the argmax (greedy and ``match`` verification); ``True`` samples (``rejection``). In
     the engine the processors see each row's ``input_ids`` exactly as plain batched ``generate`` would
-    (`processing.RowProcessors`, attached with :meth:`for_batch`); elsewhere (Transformers' own assisted loop, one
-    unpadded row) the committed ``prefix`` followed by the round's chosen tokens is that input.
+    (`processing.RowProcessors`, attached with :meth:`for_batch`); in Transformers' own assisted loop (one unpadded
+    row) the committed ``prefix`` (:meth:`for_prefix`) followed by the round's chosen tokens is that input.
+    Processors that never read ``input_ids`` run once over all positions.
     """
 
     def __init__(self, logits_processor: LogitsProcessorList | None, do_sample: bool) -> None:
         self.logits_processor = logits_processor
         self.do_sample = do_sample
+        self.positionwise = bool(logits_processor) and reads_input_ids(logits_processor)
         self.rows: RowProcessors | None = None
         self.batch: ActiveBatch | None = None
+        self.prefix: torch.Tensor | None = None
 
     def for_batch(self, rows: RowProcessors, batch: ActiveBatch) -> TokenSelector:
         """Process with exact per-row inputs for the rows of ``batch`` (the decoding loop's)."""
         self.rows, self.batch = rows, batch
         return self
 
-    def __call__(
-        self, logits: torch.Tensor, prefix: torch.Tensor, chosen: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``logits`` ``[B, K, V]`` of K consecutive positions -> tokens ``[B, K]``, processed scores ``[B, K, V]``.
+    def for_prefix(self, prefix: torch.Tensor) -> TokenSelector:
+        """Process after ``prefix`` ``[1, L]``, the committed tokens of Transformers' assisted loop."""
+        self.prefix = prefix
+        return self
 
-        The positions follow the committed tokens (``prefix``, right-aligned) and the round's already ``chosen``
-        tokens ``[B, j]``; slot i also sees the i tokens chosen before it in this call.
-        """
+    def committed_ids(self) -> list[torch.Tensor]:
+        """Each row's committed tokens, ``[1, L_b]`` (prompt without padding, then generated): for drafters and
+        tests that look at the whole sequence (it synchronises; the engine's drafters never call it)."""
+        if self.batch is None:
+            return [self.prefix[b : b + 1] for b in range(self.prefix.shape[0])]
+        prompt, lengths = self.rows.inputs.prompt, self.batch.prompt_lengths.tolist()
+        return [
+            torch.cat([prompt[row, prompt.shape[1] - length :], self.batch.tokens[row, :generated]])[None]
+            for row, length, generated in zip(self.batch.host.rows, lengths, self.batch.host.generated, strict=True)
+        ]
+
+    def __call__(self, logits: torch.Tensor, chosen: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``logits`` ``[B, k, V]`` of k consecutive positions after the committed tokens and the round's already
+        ``chosen`` ``[B, j]`` -> tokens ``[B, k]``, processed scores ``[B, k, V]``; slot i also sees the i tokens
+        chosen before it in this call."""
         if not self.logits_processor:
             scores = logits.float()
-            return select_tokens(scores, self.do_sample), scores
+        elif not self.positionwise:
+            scores = process_flat(logits, self.logits_processor)
+        else:
+            return self._positionwise(logits, chosen)
+        return select_tokens(scores, self.do_sample), scores
+
+    def _positionwise(self, logits: torch.Tensor, chosen: torch.Tensor | None):
         tokens, scores = [], []
         before = [chosen] if chosen is not None else []
         for i in range(logits.shape[1]):
@@ -77,8 +97,8 @@ class TokenSelector:
             if self.rows is not None:
                 step = self.rows(logits[:, i], self.batch, extra)
             else:
-                seen = prefix if extra is None else torch.cat([prefix, extra], dim=1)
-                step = process_logits(logits[:, i], seen, self.logits_processor)
+                seen = self.prefix if extra is None else torch.cat([self.prefix, extra], dim=1)
+                step = self.logits_processor(seen, logits[:, i].float())
             tokens.append(select_tokens(step, self.do_sample))
             scores.append(step)
         return torch.stack(tokens, dim=1), torch.stack(scores, dim=1)
@@ -89,12 +109,10 @@ class Drafter:
 
     Attributes the loop reads:
         name: label of the strategy in statistics.
-        num_candidates: K, candidates per round.
+        num_candidates: K, the most candidates per round.
         needs_features: the target must return the DFlash context features (at :meth:`target_layer_ids`).
         needs_mtp_hidden: the target must provide the hidden state the MTP head reads.
         hidden_input: which one: ``"post_norm"`` (the tensor fed to the LM head) or ``"pre_norm"``.
-        fixed_slots: `advance` takes all ``K + 1`` verify slots with a validity mask (fixed shapes, no host sync);
-            otherwise only the committed width.
     """
 
     name = "drafter"
@@ -102,34 +120,31 @@ class Drafter:
     needs_features = False
     needs_mtp_hidden = False
     hidden_input = "post_norm"
-    fixed_slots = False
 
     def target_layer_ids(self) -> list[int]:
         """Target layers whose outputs form the context features (empty if unused)."""
         return []
 
     def reserve(self, max_positions: int) -> None:
-        """Called before `start` with the longest sequence of the call (fixed slots size their buffers)."""
+        """Called before `start` with the longest sequence of the call (fixed shapes size their buffers)."""
 
     def start(self, step: TargetStep) -> None:
         """Initialise the drafter's state from the prompt (after the target prefill)."""
         raise NotImplementedError
 
     def propose(
-        self, prefix: torch.Tensor, anchor_positions: torch.Tensor, select: TokenSelector, stats: SpecStats
-    ) -> Proposal:
-        """Propose ``num_candidates`` tokens per row.
-
-        ``prefix`` ``[B, L]`` holds each row's committed tokens right-aligned (left-padded), so ``prefix[:, -1]``
-        is A, the last emitted token the target has not processed yet; ``anchor_positions`` ``[B]`` is A's position.
-        """
+        self, anchor_ids: torch.Tensor, anchor_positions: torch.Tensor, select: TokenSelector, stats: SpecStats,
+        max_candidates: int | None = None,
+    ) -> Proposal:  # fmt: skip
+        """Propose up to ``max_candidates`` (1..K, default K) tokens per row after A: ``anchor_ids`` ``[B]``, the
+        last emitted token (the target has not processed it yet), at ``anchor_positions`` ``[B]``."""
         raise NotImplementedError
 
     def advance(self, step: TargetStep, stats: SpecStats | None = None) -> None:
         """Commit the positions the last verify accepted (accepted tokens + bonus); MTP work is timed as ``mtp``."""
         raise NotImplementedError
 
-    def select_rows(self, rows: torch.Tensor) -> bool:
+    def select_rows(self, rows: torch.Tensor, rows_host: list[int]) -> bool:
         """Keep only batch ``rows`` (finished sequences leave the batch); ``False`` if this drafter cannot."""
         return False
 
@@ -140,12 +155,8 @@ class DrafterWrapper(Drafter):
 
     def __init__(self, inner: Drafter) -> None:
         self.inner = inner
-        self.name = inner.name
-        self.num_candidates = inner.num_candidates
-        self.needs_features = inner.needs_features
-        self.needs_mtp_hidden = inner.needs_mtp_hidden
-        self.hidden_input = inner.hidden_input
-        self.fixed_slots = inner.fixed_slots
+        for name in ("name", "num_candidates", "needs_features", "needs_mtp_hidden", "hidden_input"):
+            setattr(self, name, getattr(inner, name))
 
     def target_layer_ids(self) -> list[int]:
         """The inner drafter's feature layers."""
@@ -163,71 +174,61 @@ class DrafterWrapper(Drafter):
         """Forwarded to the inner drafter."""
         self.inner.advance(step, stats)
 
-    def propose(
-        self, prefix: torch.Tensor, anchor_positions: torch.Tensor, select: TokenSelector, stats: SpecStats
-    ) -> Proposal:
+    def propose(self, anchor_ids, anchor_positions, select, stats, max_candidates=None) -> Proposal:
         """The inner drafter's proposal (override to change it)."""
-        return self.inner.propose(prefix, anchor_positions, select, stats)
+        return self.inner.propose(anchor_ids, anchor_positions, select, stats, max_candidates)
 
-    def select_rows(self, rows: torch.Tensor) -> bool:
+    def select_rows(self, rows: torch.Tensor, rows_host: list[int]) -> bool:
         """Forwarded to the inner drafter (override to also select the wrapper's own per-row state)."""
-        return self.inner.select_rows(rows)
+        return self.inner.select_rows(rows, rows_host)
 
 
 class _StatefulDrafter(Drafter):
-    """Builds the drafter state backends (``fixed_slots`` or dynamic) of the strategies below."""
+    """The drafter state of the strategies below: an MTP state, a DFlash context, or both."""
 
-    def __init__(self, fixed_slots: bool, cuda_graphs: bool) -> None:
-        self.fixed_slots = fixed_slots
+    def __init__(self, fixed_shapes: bool, cuda_graphs: bool) -> None:
+        self.fixed_shapes = fixed_shapes
         self.cuda_graphs = cuda_graphs
-        self.capacity: int | None = None  # fixed slots per row, set by `reserve`
-        self.mtp: MTPCache | MTPSlots | None = None
-        self.context: DFlashContext | SlotDFlashContext | None = None
+        self.capacity: int | None = None  # slots per row with fixed shapes, set by `reserve`
+        self.mtp: MTPState | None = None
+        self.context: DFlashContext | None = None
 
     def reserve(self, max_positions: int) -> None:
-        """Size fixed slots for sequences of up to ``max_positions`` tokens (plus one verify's candidates)."""
+        """Size fixed shapes for sequences of up to ``max_positions`` tokens (plus one verify's candidates)."""
         self.capacity = max_positions + self.num_candidates + 1
 
     def _check_capacity(self, step: TargetStep) -> None:
-        """Fixed slots: refuse, before any write, a prompt the reserved capacity cannot hold with one verify."""
-        if not self.fixed_slots:
+        """Fixed shapes: refuse, before any write, a prompt the reserved capacity cannot hold with one verify."""
+        if not self.fixed_shapes:
             return
         if self.capacity is None:
-            raise ValueError("Fixed-slot drafter state needs its capacity first: call reserve(max_positions).")
-        needed = step.positions.shape[1] + self.num_candidates + 1
+            raise ValueError("Fixed-shape drafter state needs its capacity first: call reserve(max_positions).")
+        needed = step.width + self.num_candidates + 1
         if needed > self.capacity:
             raise ValueError(
-                f"The prompt ({step.positions.shape[1]} positions) and one verify need {needed} fixed slots per row, "
-                f"more than the {self.capacity} reserved: reserve() the longest sequence of the call."
+                f"The prompt ({step.width} positions) and one verify need {needed} fixed slots per row, more than "
+                f"the {self.capacity} reserved: reserve() the longest sequence of the call."
             )
 
-    def _new_mtp_state(self, head: NativeMTPHead) -> MTPCache | MTPSlots:
-        """Fixed slots of the same capacity are reused (reset in place by ``prefill``: captured graphs survive)."""
-        if not self.fixed_slots:
-            return MTPCache(head)
-        if isinstance(self.mtp, MTPSlots) and self.mtp.cache.capacity == self.capacity:
-            return self.mtp
-        return MTPSlots(head, self.capacity, self.cuda_graphs)
-
-    def _new_context(self, draft: DMTPDraftModel) -> DFlashContext | SlotDFlashContext:
-        """Fixed slots of the same capacity are reused (reset in place by ``start``: captured graphs survive)."""
-        if not self.fixed_slots:
-            return DFlashContext(draft)
-        if isinstance(self.context, SlotDFlashContext) and self.context.cache.capacity == self.capacity:
-            return self.context
-        return SlotDFlashContext(draft, self.capacity, self.cuda_graphs)
+    def _state(self, current, kind, model):
+        """The state for this call: the previous one when its settings are unchanged (its buffers and captured
+        graphs survive; `start` resets it in place), else a new one."""
+        reusable = (
+            current is not None and current.fixed_shapes == self.fixed_shapes and current.kv.limit == self.capacity
+        )
+        state = current if reusable else kind(model, self.fixed_shapes, self.cuda_graphs)
+        state.kv.limit = self.capacity
+        return state
 
     def graph_calls(self) -> list:
-        """Every captured stage of the fixed-slot state (empty for the dynamic state)."""
-        return [
-            call for state in (self.mtp, self.context) if hasattr(state, "graph_calls") for call in state.graph_calls()
-        ]
+        """Every captured stage of the state."""
+        return [call for state in (self.mtp, self.context) if state is not None for call in state.graph_calls()]
 
-    def select_rows(self, rows: torch.Tensor) -> bool:
+    def select_rows(self, rows: torch.Tensor, rows_host: list[int]) -> bool:
         """Drop finished rows from every piece of state."""
         for state in (self.mtp, self.context):
             if state is not None:
-                state.select_rows(rows)
+                state.select_rows(rows, rows_host)
         return True
 
 
@@ -237,13 +238,13 @@ class DFlashDrafter(_StatefulDrafter):
     name = "dflash"
     needs_features = True
 
-    def __init__(self, draft: DMTPDraftModel, *, fixed_slots: bool = False, cuda_graphs: bool = True) -> None:
+    def __init__(self, draft: DMTPDraftModel, *, fixed_shapes: bool = False, cuda_graphs: bool = True) -> None:
         if draft.config.anchor_layout != "dflash":
             raise ValueError(
                 "DFlashDrafter needs a draft with anchor_layout='dflash' "
                 f"(got {draft.config.anchor_layout!r}); load it with anchor_layout='dflash'."
             )
-        super().__init__(fixed_slots, cuda_graphs)
+        super().__init__(fixed_shapes, cuda_graphs)
         self.draft = draft
         self.num_candidates = draft.config.num_candidates
 
@@ -254,16 +255,14 @@ class DFlashDrafter(_StatefulDrafter):
     def start(self, step: TargetStep) -> None:
         """Fresh context holding the prompt features."""
         self._check_capacity(step)
-        self.context = self._new_context(self.draft)
+        self.context = self._state(self.context, DFlashContext, self.draft)
         self.context.start(step)
 
-    def propose(
-        self, prefix: torch.Tensor, anchor_positions: torch.Tensor, select: TokenSelector, stats: SpecStats
-    ) -> Proposal:
-        """``[A, MASK x K]`` -> K candidates."""
+    def propose(self, anchor_ids, anchor_positions, select, stats, max_candidates=None) -> Proposal:
+        """``[A, MASK x K]`` -> up to K candidates."""
         with stats.stage("dflash"):
-            logits = self.context.candidate_logits(self.draft.block_embeddings(prefix[:, -1]), anchor_positions)
-            tokens, scores = select(logits, prefix)
+            logits = self.context.block_logits(self.draft.block_embeddings(anchor_ids), anchor_positions)
+            tokens, scores = select(logits[:, :max_candidates])
         return Proposal(tokens, scores)
 
     def advance(self, step: TargetStep, stats: SpecStats | None = None) -> None:
@@ -277,38 +276,36 @@ class MTPDrafter(_StatefulDrafter):
     needs_mtp_hidden = True
 
     def __init__(
-        self, mtp_head: NativeMTPHead, num_steps: int = 1, *, fixed_slots: bool = False, cuda_graphs: bool = True
+        self, mtp_head: NativeMTPHead, num_steps: int = 1, *, fixed_shapes: bool = False, cuda_graphs: bool = True
     ) -> None:
         if num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
-        super().__init__(fixed_slots, cuda_graphs)
+        super().__init__(fixed_shapes, cuda_graphs)
         self.head = mtp_head
         self.hidden_input = mtp_head.hidden_input
         self.num_candidates = num_steps
         self.name = f"mtp{num_steps}"
 
     def start(self, step: TargetStep) -> None:
-        """Prefill the MTP state over all prompt pairs."""
+        """Start the MTP state over all prompt pairs."""
         self._check_capacity(step)
-        self.mtp = self._new_mtp_state(self.head)
+        self.mtp = self._state(self.mtp, MTPState, self.head)
         with torch.no_grad():
-            self.mtp.prefill(step)
+            self.mtp.start(step)
 
-    def propose(
-        self, prefix: torch.Tensor, anchor_positions: torch.Tensor, select: TokenSelector, stats: SpecStats
-    ) -> Proposal:
-        """Chain the MTP layer k times; each step is selected with the processors and the prefix it extends."""
+    def propose(self, anchor_ids, anchor_positions, select, stats, max_candidates=None) -> Proposal:
+        """Chain the MTP layer k times; each step is selected with the processors and the tokens it extends."""
         chosen: list[torch.Tensor] = []
         scores: list[torch.Tensor] = []
 
         def select_step(logits: torch.Tensor) -> torch.Tensor:
-            token, score = select(logits[:, None], prefix, torch.stack(chosen, dim=1) if chosen else None)
+            token, score = select(logits[:, None], torch.stack(chosen, dim=1) if chosen else None)
             chosen.append(token[:, 0])
             scores.append(score[:, 0])
             return token[:, 0]
 
         with stats.stage("mtp"), torch.no_grad():
-            tokens, _ = self.mtp.propose(self.num_candidates, select_step)
+            tokens, _ = self.mtp.propose(min(self.num_candidates, max_candidates or self.num_candidates), select_step)
         return Proposal(tokens, torch.stack(scores, dim=1))
 
     def advance(self, step: TargetStep, stats: SpecStats | None = None) -> None:
@@ -325,16 +322,11 @@ class DMTPDrafter(_StatefulDrafter):
     needs_mtp_hidden = True
 
     def __init__(
-        self,
-        draft: DMTPDraftModel,
-        mtp_head: NativeMTPHead,
-        *,
-        fixed_slots: bool = False,
-        cuda_graphs: bool = True,
+        self, draft: DMTPDraftModel, mtp_head: NativeMTPHead, *, fixed_shapes: bool = False, cuda_graphs: bool = True
     ) -> None:
         if draft.config.anchor_layout == "dflash":
             raise ValueError("DMTPDrafter needs anchor_layout 'single' or 'dual'; use DFlashDrafter for 'dflash'.")
-        super().__init__(fixed_slots, cuda_graphs)
+        super().__init__(fixed_shapes, cuda_graphs)
         self.draft = draft
         self.head = mtp_head
         self.hidden_input = mtp_head.hidden_input
@@ -345,25 +337,25 @@ class DMTPDrafter(_StatefulDrafter):
         return list(self.draft.config.target_layer_ids)
 
     def start(self, step: TargetStep) -> None:
-        """Prefill the MTP state over the prompt pairs and queue the prompt features for DFlash."""
+        """Start the MTP state over the prompt pairs and queue the prompt features for DFlash."""
         self._check_capacity(step)
-        self.mtp = self._new_mtp_state(self.head)
-        self.context = self._new_context(self.draft)
+        self.mtp = self._state(self.mtp, MTPState, self.head)
+        self.context = self._state(self.context, DFlashContext, self.draft)
         self.context.start(step)
         with torch.no_grad():
-            self.mtp.prefill(step)
+            self.mtp.start(step)
 
-    def propose(
-        self, prefix: torch.Tensor, anchor_positions: torch.Tensor, select: TokenSelector, stats: SpecStats
-    ) -> Proposal:
-        """T1 from the cached MTP hidden, fusion, one DFlash forward for T2..T7."""
+    def propose(self, anchor_ids, anchor_positions, select, stats, max_candidates=None) -> Proposal:
+        """T1 from the cached MTP hidden, fusion, one DFlash forward for T2..T7 (none when only T1 is wanted)."""
         with stats.stage("t1_fusion"):
-            t1_logits, mtp_hidden = self.mtp.predict()  # the MTP hidden that predicts T1
-            t1, t1_scores = select(t1_logits[:, None], prefix)
-            block = self.draft.block_embeddings(prefix[:, -1], t1[:, 0], mtp_hidden)
+            t1_logits, mtp_hidden = self.mtp.predict()  # the MTP hidden that predicted T1
+            t1, t1_scores = select(t1_logits[:, None])
+            if max_candidates == 1:
+                return Proposal(t1, t1_scores)
+            block = self.draft.block_embeddings(anchor_ids, t1[:, 0], mtp_hidden)  # [A, T1 + fusion, MASK x 6]
         with stats.stage("dflash"):
-            logits = self.context.candidate_logits(block, anchor_positions)
-            rest, rest_scores = select(logits, prefix, chosen=t1)
+            logits = self.context.block_logits(block, anchor_positions)  # T2..T7
+            rest, rest_scores = select(logits[:, : None if max_candidates is None else max_candidates - 1], t1)
         return Proposal(torch.cat([t1, rest], dim=1), torch.cat([t1_scores, rest_scores], dim=1))
 
     def advance(self, step: TargetStep, stats: SpecStats | None = None) -> None:

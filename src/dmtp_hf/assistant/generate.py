@@ -49,13 +49,13 @@ def as_drafter(
 
     ``strategy`` overrides the default for a draft model: ``"dmtp"`` (layout ``single``/``dual``), ``"dflash"``
     (layout ``dflash``) or ``"mtp"`` (its bound native MTP head alone, chained ``mtp_steps`` times).
-    ``fast_path`` keeps the drafter state in fixed device-side slots (``drafter_state.py``) and, on CUDA with
-    ``cuda_graphs``, replays the fixed-shape stages as CUDA graphs; the tokens are the same.
+    ``fast_path`` runs the drafter state at fixed shapes (``drafter_state.py``) and, on CUDA with ``cuda_graphs``,
+    replays the fixed-shape stages as CUDA graphs; the tokens are the same.
     Returns ``None`` for anything else (so the router leaves the call to Transformers).
     """
     if isinstance(assistant, Drafter):
         return assistant
-    backend = {"fixed_slots": fast_path, "cuda_graphs": cuda_graphs}
+    backend = {"fixed_shapes": fast_path, "cuda_graphs": cuda_graphs}
     if _is_a(assistant, NativeMTPHead):
         return MTPDrafter(assistant, mtp_steps, **backend)
     if not _is_a(assistant, DMTPDraftModel):
@@ -92,6 +92,17 @@ def route_kwargs(target, kwargs: dict[str, Any]) -> dict[str, Any]:
     criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
     kwargs["stopping_criteria"] = criteria
     return kwargs
+
+
+def engine_kwargs(target, drafter: Drafter, streamer, kwargs: dict[str, Any], **options: Any) -> dict[str, Any]:
+    """What a ``generate`` call needs to run in the engine: Transformers' ``custom_generate`` hook set to
+    :func:`dmtp_custom_generate` with ``drafter`` (and ``options``: ``dmtp_verify_mode``, ...), stop strings made
+    into a criterion (`route_kwargs`). Every entry point (``dmtp_hf.generate``, the ``target.generate`` router, a
+    pushed repo's ``custom_generate``) goes through here."""
+    return {
+        "custom_generate": dmtp_custom_generate, "dmtp_drafter": drafter, "dmtp_streamer": streamer, **options,
+        **route_kwargs(target, kwargs),
+    }  # fmt: skip
 
 
 def dmtp_custom_generate(
@@ -159,7 +170,7 @@ def generate(
 
     Equivalent to ``target.generate(input_ids, assistant_model=assistant, **generate_kwargs)`` on a bound target,
     with the drafting ``strategy`` ("dmtp", "dflash", "mtp") and ``verify_mode`` ("greedy", "match",
-    "rejection") made explicit; ``fast_path=True`` uses the fixed-slot drafters (CUDA graphs on GPU).
+    "rejection") made explicit; ``fast_path=True`` runs the drafters at fixed shapes (CUDA graphs on GPU).
     """
     drafter = as_drafter(assistant, strategy=strategy, mtp_steps=mtp_steps, fast_path=fast_path)
     if drafter is None:
@@ -167,13 +178,5 @@ def generate(
             f"Cannot draft with {type(assistant).__name__}; pass a DMTPDraftModel, NativeMTPHead or Drafter."
         )
     original = getattr(target, ROUTER_ORIGINAL, target.generate)
-    return original(
-        input_ids,
-        custom_generate=dmtp_custom_generate,
-        dmtp_drafter=drafter,
-        dmtp_streamer=streamer,
-        dmtp_verify_mode=verify_mode,
-        dmtp_draft_sampling=draft_sampling,
-        dmtp_profile=profile,
-        **route_kwargs(target, generate_kwargs),
-    )
+    options = {"dmtp_verify_mode": verify_mode, "dmtp_draft_sampling": draft_sampling, "dmtp_profile": profile}
+    return original(input_ids, **engine_kwargs(target, drafter, streamer, generate_kwargs, **options))

@@ -13,6 +13,9 @@ the same rows for the call. Processors this module cannot vouch for (user-suppli
 or row-indexed ones such as ``PrefixConstrainedLogitsProcessor``) are called on the whole original batch instead,
 every other row filled with its own tokens up to the same length, and only the group's rows of the result are used:
 rows never leave their batch as far as such a processor can tell.
+
+Processors that never read ``input_ids`` (temperature, top-k/p, min-p, ...: :func:`reads_input_ids`) need none of
+this: they run once over all ``B x (K + 1)`` positions of a round (:func:`process_flat`).
 """
 
 from __future__ import annotations
@@ -23,26 +26,52 @@ from collections.abc import Iterator, Sequence
 
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
+from transformers.generation import logits_process as lp
+from transformers.generation import stopping_criteria as sc
 
 from .batch import ActiveBatch
 
 # Transformers' processors and criteria that are pure functions of their rows, so a call on some rows gives those
 # rows' results; with the per-row tensors some of them hold, sliced to the rows of the call.
-_ROW_WISE = {
-    "TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper", "TypicalLogitsWarper",
-    "EpsilonLogitsWarper", "EtaLogitsWarper", "RepetitionPenaltyLogitsProcessor", "NoRepeatNGramLogitsProcessor",
-    "NoBadWordsLogitsProcessor", "SequenceBiasLogitsProcessor", "MinLengthLogitsProcessor",
-    "MinNewTokensLengthLogitsProcessor", "SuppressTokensLogitsProcessor", "SuppressTokensAtBeginLogitsProcessor",
-    "ForcedBOSTokenLogitsProcessor", "ForcedEOSTokenLogitsProcessor", "ExponentialDecayLengthPenalty",
-    "InfNanRemoveLogitsProcessor", "LogitNormalization", "StopStringCriteria", "MaxLengthCriteria",
-    "EosTokenCriteria", "ConfidenceCriteria",
-}  # fmt: skip
-_PER_ROW_TENSORS = {"RepetitionPenaltyLogitsProcessor": ("prompt_ignore_length",)}
+_ROW_WISE = (
+    lp.TemperatureLogitsWarper, lp.TopKLogitsWarper, lp.TopPLogitsWarper, lp.MinPLogitsWarper,
+    lp.TypicalLogitsWarper, lp.EpsilonLogitsWarper, lp.EtaLogitsWarper, lp.RepetitionPenaltyLogitsProcessor,
+    lp.NoRepeatNGramLogitsProcessor, lp.NoBadWordsLogitsProcessor, lp.SequenceBiasLogitsProcessor,
+    lp.MinLengthLogitsProcessor, lp.MinNewTokensLengthLogitsProcessor, lp.SuppressTokensLogitsProcessor,
+    lp.SuppressTokensAtBeginLogitsProcessor, lp.ForcedBOSTokenLogitsProcessor, lp.ForcedEOSTokenLogitsProcessor,
+    lp.ExponentialDecayLengthPenalty, lp.InfNanRemoveLogitsProcessor, lp.LogitNormalization,
+    sc.StopStringCriteria, sc.MaxLengthCriteria, sc.EosTokenCriteria, sc.ConfidenceCriteria,
+)  # fmt: skip
+# Transformers' processors whose output does not depend on ``input_ids`` at all (not even its length): checked by
+# reading their ``__call__`` (tests/test_lossless.py holds the list to that).
+_PREFIX_FREE = (
+    lp.TemperatureLogitsWarper, lp.TopKLogitsWarper, lp.TopPLogitsWarper, lp.MinPLogitsWarper,
+    lp.TypicalLogitsWarper, lp.EpsilonLogitsWarper, lp.EtaLogitsWarper, lp.LogitNormalization,
+    lp.InfNanRemoveLogitsProcessor, lp.SuppressTokensLogitsProcessor,
+)  # fmt: skip
+_PER_ROW_TENSORS = {lp.RepetitionPenaltyLogitsProcessor: ("prompt_ignore_length",)}
 
 
 def _sliceable(function: object) -> bool:
     """Whether calling ``function`` on a subset of rows gives those rows' results (see ``_ROW_WISE``)."""
-    return type(function).__module__.startswith("transformers.generation.") and type(function).__name__ in _ROW_WISE
+    return type(function) in _ROW_WISE
+
+
+def reads_input_ids(processors: Sequence[object]) -> bool:
+    """Whether any of ``processors`` depends on ``input_ids`` (the prefix or its length).
+
+    Transformers' own are classified by class (``_PREFIX_FREE``); any other processor is assumed to read them
+    unless it declares ``reads_input_ids = False`` (an attribute, for user processors that only reshape the scores).
+    """
+    return any(type(p) not in _PREFIX_FREE and getattr(p, "reads_input_ids", True) is not False for p in processors)
+
+
+def process_flat(logits: torch.Tensor, processors: LogitsProcessorList) -> torch.Tensor:
+    """``[..., V]`` float32 scores after ``processors`` that never read ``input_ids`` (see `reads_input_ids`): one
+    call over every position at once."""
+    flat = logits.reshape(-1, logits.shape[-1]).float()
+    no_prefix = torch.empty(flat.shape[0], 0, dtype=torch.long, device=flat.device)
+    return processors(no_prefix, flat).view(logits.shape)
 
 
 @contextlib.contextmanager
@@ -50,7 +79,7 @@ def _rows_of(functions: Sequence[object], rows: torch.Tensor) -> Iterator[None]:
     """Within the block, the per-row tensors of ``functions`` (``_PER_ROW_TENSORS``) hold only ``rows``."""
     saved = []
     for function in functions:
-        for name in _PER_ROW_TENSORS.get(type(function).__name__, ()):
+        for name in _PER_ROW_TENSORS.get(type(function), ()):
             value = getattr(function, name, None)
             if isinstance(value, torch.Tensor):
                 saved.append((function, name, value))
@@ -78,8 +107,8 @@ class RowInputs:
         """Active rows (``members``, default all) grouped by their committed token count (host values), or all
         with ``committed`` tokens when given."""
         grouped: dict[int, list[int]] = defaultdict(list)
-        for row in range(len(batch.generated_host)) if members is None else members:
-            grouped[batch.generated_host[row] if committed is None else committed].append(row)
+        for row in range(len(batch.host.generated)) if members is None else members:
+            grouped[batch.host.generated[row] if committed is None else committed].append(row)
         return grouped
 
     def build(self, batch: ActiveBatch, rows: torch.Tensor, committed: int, extra: torch.Tensor | None):
@@ -104,6 +133,7 @@ class RowProcessors:
         self.processors = processors or LogitsProcessorList()
         self.inputs = RowInputs(prompt)
         self.sliced = all(_sliceable(p) for p in self.processors)
+        self.positionwise = reads_input_ids(self.processors)
 
     def __bool__(self) -> bool:
         return len(self.processors) > 0
@@ -134,6 +164,8 @@ class RowProcessors:
         """``[B, K+1, V]`` scores of K + 1 consecutive positions; position i comes after ``tokens[:, :i]``."""
         if not self:
             return logits.float()
+        if not self.positionwise:
+            return process_flat(logits, self.processors)
         return torch.stack([self(logits[:, i], batch, tokens[:, :i]) for i in range(logits.shape[1])], dim=1)
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from transformers.generation.utils import GenerationMixin
 
-from .generate import as_drafter, dmtp_custom_generate, route_kwargs
+from .generate import as_drafter, engine_kwargs
 
 __all__ = ["generate"]
 
@@ -28,7 +28,4 @@ def generate(model, *args: Any, assistant_model: Any = None, streamer=None, dmtp
     drafter = as_drafter(assistant_model, fast_path=dmtp_fast_path)
     if drafter is None:
         return GenerationMixin.generate(model, *args, assistant_model=assistant_model, streamer=streamer, **kwargs)
-    kwargs = route_kwargs(model, kwargs)
-    return GenerationMixin.generate(
-        model, *args, custom_generate=dmtp_custom_generate, dmtp_drafter=drafter, dmtp_streamer=streamer, **kwargs
-    )
+    return GenerationMixin.generate(model, *args, **engine_kwargs(model, drafter, streamer, kwargs))

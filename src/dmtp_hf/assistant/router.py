@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import types
 
-from ..modeling.modeling_dmtp import register_bind_hook
-from .generate import ROUTER_ORIGINAL, as_drafter, dmtp_custom_generate, route_kwargs
+from ..modeling.binding import register_bind_hook
+from .generate import ROUTER_ORIGINAL, as_drafter, engine_kwargs
 
 __all__ = ["install_generate_router", "route_bound_targets"]
 
@@ -36,10 +36,7 @@ def install_generate_router(target) -> None:
         drafter = as_drafter(assistant_model, fast_path=dmtp_fast_path)
         if drafter is None:
             return original(*args, assistant_model=assistant_model, streamer=streamer, **kwargs)
-        kwargs = route_kwargs(self, kwargs)
-        return original(
-            *args, custom_generate=dmtp_custom_generate, dmtp_drafter=drafter, dmtp_streamer=streamer, **kwargs
-        )
+        return original(*args, **engine_kwargs(self, drafter, streamer, kwargs))
 
     setattr(target, ROUTER_ORIGINAL, original)
     target.generate = types.MethodType(routed_generate, target)

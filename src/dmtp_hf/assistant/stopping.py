@@ -34,11 +34,16 @@ class RowStopping:
         self.criteria = RowCriteria(StoppingCriteriaList(others), input_ids)
         self.stopped_at: dict[int, int] = {}  # no EOS: caller row -> generated tokens when a criterion stopped it
         self.batch_size = input_ids.shape[0]
+        self.end_at: int | None = None  # no EOS: the batch ends here once every row has stopped (as in `generate`)
+
+    def budget(self, batch: ActiveBatch) -> int:
+        """The most tokens any row generates: ``max_new_tokens``, or fewer once criteria stopped every row."""
+        return batch.budget if self.end_at is None else min(batch.budget, self.end_at)
 
     def after_prefill(self, batch: ActiveBatch, scores: torch.Tensor) -> torch.Tensor:
         """``[B]`` rows that end with the first generated token (``scores [B, V]``: its processed scores)."""
-        first = batch.prefix[:, -1]
-        stop = batch.num_generated >= batch.budget
+        first = batch.last_tokens
+        stop = batch.num_generated >= self.budget(batch)
         if self.eos is not None:
             stop = stop | torch.isin(first, self.eos)
         if self.criteria:
@@ -46,7 +51,7 @@ class RowStopping:
             hit = torch.tensor([j is not None for j in at], device=stop.device)
             if self.eos is None:
                 self._end_when_all_stopped(batch, at, [0] * len(at))  # the first token: nothing committed before
-                stop = stop | (batch.num_generated >= batch.budget)
+                stop = stop | (batch.num_generated >= self.budget(batch))
             else:
                 stop = stop | hit
         return stop
@@ -68,8 +73,8 @@ class RowStopping:
             at = self.criteria.stop_at(batch, new_tokens, counts.tolist(), scores)
             hit = torch.tensor([j is not None for j in at], device=counts.device)
             if self.eos is None:  # the row goes on; the batch ends once every row has stopped
-                self._end_when_all_stopped(batch, at, batch.generated_host)
-                counts = torch.minimum(counts, (batch.budget - batch.num_generated).clamp(min=0))
+                self._end_when_all_stopped(batch, at, batch.host.generated)
+                counts = torch.minimum(counts, (self.budget(batch) - batch.num_generated).clamp(min=0))
             else:
                 first = torch.tensor([j if j is not None else 0 for j in at], device=counts.device)
                 counts = torch.where(hit, first + 1, counts)
@@ -79,7 +84,7 @@ class RowStopping:
     def _end_when_all_stopped(self, batch: ActiveBatch, at: list[int | None], committed: list[int]) -> None:
         """Record where criteria stopped rows (``committed`` tokens before the round); end the batch once all have."""
         for row, first in enumerate(at):
-            if first is not None and batch.rows_host[row] not in self.stopped_at:
-                self.stopped_at[batch.rows_host[row]] = committed[row] + first + 1
+            if first is not None and batch.host.rows[row] not in self.stopped_at:
+                self.stopped_at[batch.host.rows[row]] = committed[row] + first + 1
         if len(self.stopped_at) == self.batch_size:
-            batch.budget = min(batch.budget, max(self.stopped_at.values()))
+            self.end_at = max(self.stopped_at.values())

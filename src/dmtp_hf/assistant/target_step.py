@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -15,7 +15,8 @@ class TargetStep:
     Entry i of row b is target position ``positions[b, i] = t``: ``next_tokens[b, i]`` = ``x_{t+1}`` (the token that
     followed position t), ``mtp_hidden[b, i]`` = ``h_t`` as the MTP head reads it and ``features[b, i]`` = the DFlash
     context features of position t. ``mask[b, i]`` says whether the entry is real: batched rows commit different
-    numbers of tokens, and prompts may be left-padded (``None``: all real).
+    numbers of tokens, and prompts may be left-padded (``None``: all real). ``num_valid`` is the number of real
+    entries per row on the host (``None``: all); after a verify the real entries come first.
     """
 
     positions: torch.Tensor  # [B, n]
@@ -23,27 +24,39 @@ class TargetStep:
     mask: torch.Tensor | None = None  # [B, n] bool
     mtp_hidden: torch.Tensor | None = None  # [B, n, H]
     features: torch.Tensor | None = None  # [B, n, k*H]
+    num_valid: list[int] | None = None  # [B] on the host
+
+    _TENSORS = ("positions", "next_tokens", "mask", "mtp_hidden", "features")
 
     def _map(self, fn) -> TargetStep:
-        return TargetStep(**{f.name: None if (t := getattr(self, f.name)) is None else fn(t) for f in fields(self)})
+        tensors = {name: None if (t := getattr(self, name)) is None else fn(t) for name in self._TENSORS}
+        return replace(self, **tensors)
+
+    @property
+    def width(self) -> int:
+        """Entries per row (real or not)."""
+        return self.positions.shape[1]
 
     def valid(self) -> torch.Tensor:
         """``[B, n]`` bool: which entries are real."""
         return self.mask if self.mask is not None else torch.ones_like(self.positions, dtype=torch.bool)
 
-    def pair_mask(self) -> torch.Tensor | None:
-        """The MTP head's 2D pair mask (``None`` when every entry is real, which keeps its unmasked path)."""
-        return None if self.mask is None else self.mask.long()
+    def select_rows(self, rows: torch.Tensor, rows_host: list[int]) -> TargetStep:
+        """Only batch ``rows`` (``[B']`` indices; the same on the host)."""
+        step = self._map(lambda t: t.index_select(0, rows))
+        if self.num_valid is not None:
+            step.num_valid = [self.num_valid[i] for i in rows_host]
+        return step
 
-    def select_rows(self, rows: torch.Tensor) -> TargetStep:
-        """Only batch ``rows`` (``[B']`` indices)."""
-        return self._map(lambda t: t.index_select(0, rows))
-
-    def narrow(self, width: int, all_valid: bool = False) -> TargetStep:
-        """The first ``width`` entries of every row; ``all_valid`` drops the mask (the caller knows none is padding)."""
+    def committed(self) -> TargetStep:
+        """After a verify: only the entries some row kept (its first ``num_valid[b]``); no mask when every row kept
+        the same number."""
+        if self.num_valid is None:
+            return self
+        width = max(self.num_valid)
         step = self._map(lambda t: t[:, :width])
-        if all_valid:
-            step.mask = None
+        if min(self.num_valid) == width:
+            step.mask, step.num_valid = None, None
         return step
 
     @staticmethod
@@ -54,9 +67,11 @@ class TargetStep:
         mask = None
         if any(s.mask is not None for s in steps):
             mask = torch.cat([s.valid() for s in steps], dim=1)
+        counts = [s.num_valid or [s.width] * s.positions.shape[0] for s in steps]
+        num_valid = None if all(s.num_valid is None for s in steps) else [sum(c) for c in zip(*counts, strict=True)]
 
         def cat(name: str) -> torch.Tensor | None:
             parts = [getattr(s, name) for s in steps]
             return None if any(p is None for p in parts) else torch.cat(parts, dim=1)
 
-        return TargetStep(cat("positions"), cat("next_tokens"), mask, cat("mtp_hidden"), cat("features"))
+        return TargetStep(cat("positions"), cat("next_tokens"), mask, cat("mtp_hidden"), cat("features"), num_valid)

@@ -29,25 +29,6 @@ def process_logits(
     return scores
 
 
-def process_block(
-    logits: torch.Tensor,  # [B, K, V] raw logits of K consecutive positions
-    prefix: torch.Tensor,  # [B, L] tokens before the first of them
-    tokens: torch.Tensor,  # [B, >= K-1] tokens at those positions (position i sees prefix + tokens[:, :i])
-    logits_processor: LogitsProcessorList | None,
-) -> torch.Tensor:
-    """Process K consecutive positions, each with its own prefix (as HF's assisted decoding does)."""
-    scores = logits.float()
-    if not logits_processor:
-        return scores
-    return torch.stack(
-        [
-            process_logits(scores[:, i], torch.cat([prefix, tokens[:, :i]], dim=1), logits_processor)
-            for i in range(scores.shape[1])
-        ],
-        dim=1,
-    )
-
-
 def select_tokens(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
     """Argmax or one sample per row of processed scores ``[..., V]`` -> ``[...]``."""
     if not do_sample:

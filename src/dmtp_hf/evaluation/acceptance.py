@@ -114,6 +114,58 @@ def stats_entry(stats: SpecStats, extra: dict[str, Any] | None = None) -> dict[s
     return _finite({**stats.to_dict(), **(extra or {})})
 
 
+def _run_prompt_set(pset: PromptSet, labels: list[str], strategies: list[Strategy], target, tokenizer,
+                    settings: EvalSettings, gen_kwargs: dict[str, Any], bar):  # fmt: skip
+    """Every turn of one prompt set under every label (plain ``generate`` first): statistics, per-request
+    metadata, wall seconds and a digest of the generated tokens, per label."""
+    device = next(target.parameters()).device
+    drafters = {s.label: s.drafter for s in strategies}
+    stats = {s.label: SpecStats(s.num_candidates, s.label) for s in strategies}
+    meta: dict[str, list[dict[str, Any]]] = {label: [] for label in labels}
+    seconds = dict.fromkeys(labels, 0.0)
+    digests: dict[str, Any] = {label: hashlib.sha256() for label in labels}
+    for prompt_index, prompt in enumerate(pset.prompts):
+        for label in labels:
+            bar.set_postfix_str(f"{pset.name}/{label}", refresh=False)
+            messages: list[dict[str, str]] = []
+            for turn_index, turn in enumerate(prompt.turns):
+                messages.append({"role": "user", "content": turn})
+                input_ids = encode_conversation(tokenizer, messages, settings).to(device)
+                if settings.do_sample:  # same seed per (prompt, turn) for every strategy
+                    torch.manual_seed(settings.seed + 1000 * prompt_index + turn_index)
+                start = time.perf_counter()
+                if label == BASELINE:
+                    sequences = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), **gen_kwargs)
+                else:
+                    out = dmtp_generate(
+                        target,
+                        input_ids,
+                        drafters[label],
+                        verify_mode=settings.resolved_verify_mode,
+                        attention_mask=torch.ones_like(input_ids),
+                        return_dict_in_generate=True,
+                        **gen_kwargs,
+                    )
+                    sequences = out.sequences
+                seconds[label] += time.perf_counter() - start
+                if label != BASELINE:
+                    stats[label].merge(out.spec_stats)
+                new_tokens = sequences[0, input_ids.shape[1] :].tolist()
+                digests[label].update(repr(new_tokens).encode())
+                meta[label].append(
+                    {
+                        "question_id": prompt.question_id,
+                        "turn": turn_index,
+                        "prompt_tokens": int(input_ids.shape[1]),
+                        "output_tokens": len(new_tokens),
+                    }
+                )
+                reply = tokenizer.decode(new_tokens, skip_special_tokens=True)
+                messages.append({"role": "assistant", "content": reply})
+                bar.update()
+    return stats, meta, seconds, digests
+
+
 def run_acceptance_eval(
     target,
     tokenizer,
@@ -138,7 +190,6 @@ def run_acceptance_eval(
     # Plain decoding runs first on every turn, under the same conditions, so each strategy's speedup is measured
     # against it in the same run (ratios, not absolute tokens/s, are what survives a noisy machine).
     labels = ([BASELINE] if settings.baseline else []) + [s.label for s in strategies]
-    drafters = {s.label: s.drafter for s in strategies}
     total = sum(s.num_turns for s in prompt_sets) * len(labels)
     results: dict[str, dict[str, Any]] = {}
     baseline: dict[str, dict[str, Any]] = {}
@@ -146,51 +197,9 @@ def run_acceptance_eval(
     bar = tqdm(total=total, desc="dmtp eval", unit="turn", disable=not progress, dynamic_ncols=True)
     try:
         for pset in prompt_sets:
-            stats = {s.label: SpecStats(s.num_candidates, s.label) for s in strategies}
-            meta: dict[str, list[dict[str, Any]]] = {label: [] for label in labels}
-            seconds = dict.fromkeys(labels, 0.0)
-            digests: dict[str, Any] = {label: hashlib.sha256() for label in labels}
-            for prompt_index, prompt in enumerate(pset.prompts):
-                for label in labels:
-                    bar.set_postfix_str(f"{pset.name}/{label}", refresh=False)
-                    messages: list[dict[str, str]] = []
-                    for turn_index, turn in enumerate(prompt.turns):
-                        messages.append({"role": "user", "content": turn})
-                        input_ids = encode_conversation(tokenizer, messages, settings).to(device)
-                        if settings.do_sample:  # same seed per (prompt, turn) for every strategy
-                            torch.manual_seed(settings.seed + 1000 * prompt_index + turn_index)
-                        start = time.perf_counter()
-                        if label == BASELINE:
-                            sequences = target.generate(
-                                input_ids, attention_mask=torch.ones_like(input_ids), **gen_kwargs
-                            )
-                        else:
-                            out = dmtp_generate(
-                                target,
-                                input_ids,
-                                drafters[label],
-                                verify_mode=settings.resolved_verify_mode,
-                                attention_mask=torch.ones_like(input_ids),
-                                return_dict_in_generate=True,
-                                **gen_kwargs,
-                            )
-                            sequences = out.sequences
-                        seconds[label] += time.perf_counter() - start
-                        if label != BASELINE:
-                            stats[label].merge(out.spec_stats)
-                        new_tokens = sequences[0, input_ids.shape[1] :].tolist()
-                        digests[label].update(repr(new_tokens).encode())
-                        meta[label].append(
-                            {
-                                "question_id": prompt.question_id,
-                                "turn": turn_index,
-                                "prompt_tokens": int(input_ids.shape[1]),
-                                "output_tokens": len(new_tokens),
-                            }
-                        )
-                        reply = tokenizer.decode(new_tokens, skip_special_tokens=True)
-                        messages.append({"role": "assistant", "content": reply})
-                        bar.update()
+            stats, meta, seconds, digests = _run_prompt_set(
+                pset, labels, strategies, target, tokenizer, settings, gen_kwargs, bar
+            )
             timing = {
                 label: {
                     "output_tokens": sum(m["output_tokens"] for m in meta[label]),

@@ -135,6 +135,66 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _warm_up(baselines: list[Baseline], prompt: torch.Tensor, pad_id: int, device, progress: bool) -> None:
+    """One warm-up per method (kernels, MTP/assistant loading, caches); a method that fails here is skipped."""
+    warm_ids, warm_mask = _pad_left([prompt], pad_id)
+    for baseline in tqdm(baselines, desc="dmtp bench warm-up", disable=not progress, dynamic_ncols=True):
+        if baseline.skipped is not None:
+            continue
+        try:
+            baseline.run(warm_ids.to(device), warm_mask.to(device))
+        except (ValueError, NotImplementedError, TypeError, AttributeError) as err:
+            baseline.skipped = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:160]
+
+
+def _time_batch_size(bs: int, active: list[Baseline], prompts, pad_id: int, eos, repeats: int, device, bar):
+    """Every active method over every chunk of ``bs`` prompts, in an order rotated per chunk: summed output tokens
+    and seconds per method, and (batch size 1, first repeat) each prompt's tokens."""
+    chunks = [prompts[i : i + bs] for i in range(0, len(prompts), bs)]
+    totals = {b.name: {"output_tokens": 0, "seconds": 0.0, "same": 0, "compared": 0} for b in active}
+    outputs: dict[str, dict[int, list[int]]] = {b.name: {} for b in active}
+    for repeat in range(repeats):
+        for index, chunk in enumerate(chunks):
+            ids, mask = _pad_left(chunk, pad_id)
+            ids, mask = ids.to(device), mask.to(device)
+            shift = (index + repeat) % len(active)
+            for baseline in active[shift:] + active[:shift]:
+                bar.set_postfix_str(f"bs={bs} {baseline.name}", refresh=False)
+                _sync(device)
+                start = time.perf_counter()
+                sequences = baseline.run(ids, mask)
+                _sync(device)
+                elapsed = time.perf_counter() - start
+                new = sequences[:, ids.shape[1] :]
+                totals[baseline.name]["output_tokens"] += count_output_tokens(new, eos)
+                totals[baseline.name]["seconds"] += elapsed
+                if bs == 1 and repeat == 0:
+                    n = count_output_tokens(new, eos)
+                    outputs[baseline.name][index] = new[0, :n].tolist()
+                bar.update()
+    return totals, outputs
+
+
+def _record(bs: int, active: list[Baseline], totals, outputs, reference, plain: Baseline) -> None:
+    """Each method's throughput at batch size ``bs``, its speedup over ``plain`` generate and (batch size 1) the
+    share of prompts whose tokens equal plain generate's."""
+    for baseline in active:
+        t = totals[baseline.name]
+        entry = {
+            "output_tokens": t["output_tokens"],
+            "seconds": t["seconds"],
+            "tokens_per_second": t["output_tokens"] / t["seconds"] if t["seconds"] else None,
+        }
+        if outputs and reference:
+            same = sum(outputs[baseline.name].get(i) == ref for i, ref in reference.items())
+            entry["matches_generate"] = same / len(reference)
+        baseline.measurements[bs] = entry
+    base = plain.measurements.get(bs, {}).get("tokens_per_second")
+    for baseline in active:
+        tps = baseline.measurements[bs]["tokens_per_second"]
+        baseline.measurements[bs]["speedup"] = tps / base if tps and base else None
+
+
 def run_benchmark(
     target,
     prompts: list[torch.Tensor],
@@ -161,15 +221,7 @@ def run_benchmark(
     if repeats < 1:
         raise ValueError(f"--repeats must be >= 1 (got {repeats})")
 
-    # One warm-up per method (kernels, MTP/assistant loading, caches); a method that fails here is skipped.
-    warm_ids, warm_mask = _pad_left([prompts[0]], pad_id)
-    for baseline in tqdm(baselines, desc="dmtp bench warm-up", disable=not progress, dynamic_ncols=True):
-        if baseline.skipped is not None:
-            continue
-        try:
-            baseline.run(warm_ids.to(device), warm_mask.to(device))
-        except (ValueError, NotImplementedError, TypeError, AttributeError) as err:
-            baseline.skipped = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:160]
+    _warm_up(baselines, prompts[0], pad_id, device, progress)
 
     reference: dict[int, list[int]] = {}
     total_calls = sum(
@@ -179,45 +231,10 @@ def run_benchmark(
     try:
         for bs in batch_sizes:
             active = [b for b in baselines if b.supports(bs)]
-            chunks = [prompts[i : i + bs] for i in range(0, len(prompts), bs)]
-            totals = {b.name: {"output_tokens": 0, "seconds": 0.0, "same": 0, "compared": 0} for b in active}
-            outputs: dict[str, dict[int, list[int]]] = {b.name: {} for b in active}
-            for repeat in range(repeats):
-                for index, chunk in enumerate(chunks):
-                    ids, mask = _pad_left(chunk, pad_id)
-                    ids, mask = ids.to(device), mask.to(device)
-                    shift = (index + repeat) % len(active)
-                    for baseline in active[shift:] + active[:shift]:
-                        bar.set_postfix_str(f"bs={bs} {baseline.name}", refresh=False)
-                        _sync(device)
-                        start = time.perf_counter()
-                        sequences = baseline.run(ids, mask)
-                        _sync(device)
-                        elapsed = time.perf_counter() - start
-                        new = sequences[:, ids.shape[1] :]
-                        totals[baseline.name]["output_tokens"] += count_output_tokens(new, eos)
-                        totals[baseline.name]["seconds"] += elapsed
-                        if bs == 1 and repeat == 0:
-                            n = count_output_tokens(new, eos)
-                            outputs[baseline.name][index] = new[0, :n].tolist()
-                        bar.update()
+            totals, outputs = _time_batch_size(bs, active, prompts, pad_id, eos, repeats, device, bar)
             if bs == 1:
                 reference = outputs["generate"]
-            for baseline in active:
-                t = totals[baseline.name]
-                entry = {
-                    "output_tokens": t["output_tokens"],
-                    "seconds": t["seconds"],
-                    "tokens_per_second": t["output_tokens"] / t["seconds"] if t["seconds"] else None,
-                }
-                if bs == 1 and reference:
-                    same = sum(outputs[baseline.name].get(i) == ref for i, ref in reference.items())
-                    entry["matches_generate"] = same / len(reference)
-                baseline.measurements[bs] = entry
-            base = baselines[0].measurements.get(bs, {}).get("tokens_per_second")
-            for baseline in active:
-                tps = baseline.measurements[bs]["tokens_per_second"]
-                baseline.measurements[bs]["speedup"] = tps / base if tps and base else None
+            _record(bs, active, totals, outputs if bs == 1 else {}, reference, baselines[0])
     finally:
         bar.close()
 

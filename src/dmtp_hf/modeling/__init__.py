@@ -1,13 +1,9 @@
 """What is saved and loaded: the DMTP draft (DFlash backbone + T1 fusion), its config, and native MTP heads."""
 
+from .attention_masks import AttentionLayout, dflash_visibility, draft_attention_masks
+from .binding import check_draft_target_compatibility, register_bind_hook
 from .configuration_dmtp import ANCHOR_LAYOUTS, FUSIONS, DMTPConfig, build_target_layer_ids
-from .modeling_dmtp import (
-    DMTPDraftModel,
-    DMTPPreTrainedModel,
-    FirstCandidateFusion,
-    check_draft_target_compatibility,
-    dflash_visibility,
-)
+from .modeling_dmtp import DMTPDraftModel, DMTPPreTrainedModel, FirstCandidateFusion
 from .native_mtp import (
     MissingMTPTensorsError,
     MTPLayout,
@@ -22,6 +18,7 @@ from .native_mtp import (
 
 __all__ = [
     "ANCHOR_LAYOUTS",
+    "AttentionLayout",
     "FUSIONS",
     "DMTPConfig",
     "DMTPDraftModel",
@@ -36,7 +33,9 @@ __all__ = [
     "build_target_layer_ids",
     "check_draft_target_compatibility",
     "dflash_visibility",
+    "draft_attention_masks",
     "get_mtp_layout",
     "load_native_mtp",
+    "register_bind_hook",
     "register_mtp_layout",
 ]

@@ -41,6 +41,24 @@ def atomic_directory(final_dir: str | os.PathLike) -> Iterator[Path]:
         raise
 
 
+def check_loading_info(info: dict[str, Any]) -> None:
+    """Strict loading: raise ``ValueError`` naming every missing, unexpected or mis-shaped tensor that the model's
+    own ignore rules (applied by Transformers to ``info``) did not excuse."""
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        raise ValueError(f"Checkpoint is missing {len(missing)} tensor(s) required by the DMTP config: {missing[:20]}")
+    unexpected = sorted(info.get("unexpected_keys") or [])
+    if unexpected:
+        raise ValueError(
+            f"Checkpoint has {len(unexpected)} tensor(s) this DMTP config does not use (wrong layout or an "
+            f"unsupported DFlash variant such as DFlash2/Domino?): {unexpected[:20]}"
+        )
+    mismatched = info.get("mismatched_keys") or []
+    if mismatched:
+        details = [f"{k}: checkpoint {tuple(a)} vs model {tuple(b)}" for k, a, b in mismatched]
+        raise ValueError(f"Checkpoint tensor shapes do not match the DMTP config: {details}")
+
+
 def backbone_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The DFlash tensors of a DMTP draft's state dict (no ``fusion.*``, no rotary buffers), contiguous, detached."""
     return {

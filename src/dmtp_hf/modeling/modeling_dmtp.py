@@ -6,10 +6,9 @@ Read top to bottom:
    projected target features are injected as extra keys/values in every layer, the block attends to itself
    bidirectionally (causally in sliding layers unless ``is_causal`` says otherwise). Who may attend to whom is
    one rule, ``dflash_visibility`` in ``attention_masks.py``.
-2. ``FirstCandidateFusion``: how the MTP hidden that predicted T1 reaches T1's slot (docs/design.md §1).
-3. ``DMTPDraftModel``: the checkpoint. ``forward`` runs the backbone on already-embedded slots;
-   ``block_embeddings`` builds the slots of a round for the configured layout; ``bind`` attaches the target
-   (its frozen embedding and LM head are used, never copied).
+2. ``DMTPDraftModel``: the checkpoint. ``forward`` runs the backbone on already-embedded slots;
+   ``block_embeddings`` builds the slots of a round for the configured layout, T1's slot through the fusion
+   (``fusion.py``); ``bind`` attaches the target (``binding.py``: its embedding and LM head are used, never copied).
 
 Shapes: ``B`` batch, ``Q`` block slots, ``C`` context positions, ``H`` hidden size, ``k`` target feature layers.
 """
@@ -17,7 +16,6 @@ Shapes: ``B`` batch, ``Q`` block slots, ``C`` context positions, ``H`` hidden si
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -36,12 +34,12 @@ from transformers.models.qwen3.modeling_qwen3 import (
     eager_attention_forward,
     rotate_half,
 )
-from transformers.utils import logging as hf_logging
 
-from .attention_masks import attention_mask_for_implementation, dflash_visibility
+from .attention_masks import AttentionLayout, draft_attention_masks, layer_kinds, pad_keys_to_block_mask
+from .binding import bind_draft
 from .configuration_dmtp import DMTPConfig, require_local_directory
-from .io import save_dflash_checkpoint
-from .native_mtp.loading import load_native_mtp
+from .fusion import FirstCandidateFusion
+from .io import check_loading_info, save_dflash_checkpoint
 
 # ----------------------------------------------------------------------------------------------------
 # 1. Backbone (visibility: attention_masks.py)
@@ -50,16 +48,6 @@ from .native_mtp.loading import load_native_mtp
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return x * cos + rotate_half(x) * sin
-
-
-def _pad_keys_to_block_mask(key: torch.Tensor, value: torch.Tensor, mask) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zero K/V up to the key length a FlexAttention ``BlockMask`` was built for (``flex_key_length``: CPU
-    kernels need whole blocks; the mask hides the padding)."""
-    lengths = getattr(mask, "seq_lengths", None)
-    if lengths is None or lengths[1] <= key.shape[2]:
-        return key, value
-    extra = lengths[1] - key.shape[2]
-    return nn.functional.pad(key, (0, 0, 0, extra)), nn.functional.pad(value, (0, 0, 0, extra))
 
 
 class DMTPRotaryEmbedding(Qwen3RotaryEmbedding):
@@ -134,7 +122,7 @@ class DMTPAttention(nn.Module):
             key = torch.cat([ctx_key, key[:, :, ctx_len:]], dim=2)
             value = torch.cat([ctx_value, value[:, :, ctx_len:]], dim=2)
 
-        key, value = _pad_keys_to_block_mask(key, value, attention_mask)
+        key, value = pad_keys_to_block_mask(key, value, attention_mask)
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
@@ -188,66 +176,7 @@ class DMTPDecoderLayer(GradientCheckpointingLayer):
 
 
 # ----------------------------------------------------------------------------------------------------
-# 2. First-candidate fusion
-
-
-class FirstCandidateFusion(nn.Module):
-    """Injects the MTP hidden that predicted T1 into T1's input slot (docs/design.md §1).
-
-    ``residual``:        ``E(T1) + W [RMS_e(E(T1)); RMS_m(h)]``, ``W`` zero-initialised (the main method)
-    ``replace``:         ``W [RMS_e(E(T1)); RMS_m(h)]``, ``W`` initialised to pass ``RMS_e(E(T1))`` through
-    ``hidden_residual``: ``E(T1) + Up(Down(RMS_m(h)))``, ``Up`` zero-initialised (low rank)
-    ``none``:            ``E(T1)``
-
-    ``h`` is detached: the MTP head is frozen and receives no gradient through the fusion.
-    """
-
-    def __init__(self, config: DMTPConfig):
-        super().__init__()
-        self.mode = config.fusion
-        hidden, mtp_hidden = config.hidden_size, config.mtp_hidden_size
-        if self.mode in ("residual", "replace"):
-            self.embedding_norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
-            self.mtp_norm = Qwen3RMSNorm(mtp_hidden, eps=config.rms_norm_eps)
-            self.proj = nn.Linear(hidden + mtp_hidden, hidden, bias=False)
-        elif self.mode == "hidden_residual":
-            self.mtp_norm = Qwen3RMSNorm(mtp_hidden, eps=config.rms_norm_eps)
-            self.down = nn.Linear(mtp_hidden, config.fusion_rank, bias=False)
-            self.up = nn.Linear(config.fusion_rank, hidden, bias=False)
-
-        # Read by DMTPPreTrainedModel._init_weights: the documented initialisation of each fusion.
-        if self.mode == "residual":
-            self.proj._dmtp_init = "zeros"
-        elif self.mode == "replace":
-            self.proj._dmtp_init = "pass_embedding"
-        elif self.mode == "hidden_residual":
-            self.up._dmtp_init = "zeros"
-
-    def is_noop(self) -> bool:
-        """Whether the fusion returns ``E(T1)`` unchanged (zero residual), so dropping it loses nothing."""
-        if self.mode == "none":
-            return True
-        if self.mode == "residual":
-            return not bool(self.proj.weight.any())
-        if self.mode == "hidden_residual":
-            return not bool(self.up.weight.any())
-        return False  # 'replace' never reproduces E(T1) exactly
-
-    def forward(self, t1_embeds: torch.Tensor, mtp_hidden: torch.Tensor | None) -> torch.Tensor:
-        """``t1_embeds`` ``[B, H]`` = E(T1); ``mtp_hidden`` ``[B, H_mtp]`` = the MTP hidden that predicted T1."""
-        if self.mode == "none":
-            return t1_embeds
-        if mtp_hidden is None:
-            raise ValueError(f"fusion={self.mode!r} needs the MTP hidden state that predicted T1.")
-        mtp_hidden = mtp_hidden.detach().to(t1_embeds.dtype)
-        if self.mode == "hidden_residual":
-            return t1_embeds + self.up(self.down(self.mtp_norm(mtp_hidden)))
-        fused = self.proj(torch.cat([self.embedding_norm(t1_embeds), self.mtp_norm(mtp_hidden)], dim=-1))
-        return t1_embeds + fused if self.mode == "residual" else fused
-
-
-# ----------------------------------------------------------------------------------------------------
-# 3. The checkpoint
+# 2. The checkpoint
 
 
 class DMTPPreTrainedModel(PreTrainedModel):
@@ -310,9 +239,10 @@ class DMTPDraftModel(DMTPPreTrainedModel):
         self.rotary_emb = DMTPRotaryEmbedding(config=config)
         self.fusion = FirstCandidateFusion(config) if config.anchor_layout != "dflash" else None
         if self.fusion is not None and config.checkpoint_without_fusion:
-            # A DFlash checkpoint has no fusion: it is initialised as documented, not reported as missing.
+            # A DFlash checkpoint has no fusion: it is initialised as documented, not reported as missing (the one
+            # place fusion keys are excused: Transformers drops them from the loading report).
             self._keys_to_ignore_on_load_missing = [r"^fusion\."]
-        self._target: nn.Module | None = None
+        self.__dict__.update(_target=None, _native_mtp=None, _native_mtp_missing=None)  # see `bind`
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -327,36 +257,31 @@ class DMTPDraftModel(DMTPPreTrainedModel):
         return self._target
 
     def bind(self, target: nn.Module, native_mtp: nn.Module | None = None) -> DMTPDraftModel:
-        """Attach the target whose frozen embedding, LM head and native MTP head the draft uses.
+        """Attach the target whose frozen embedding, LM head and native MTP head the draft uses (``binding.py``).
 
         Checks compatibility first and raises ``ValueError`` naming the mismatch: hidden size, vocabulary,
         ``target_layer_ids`` out of range, ``num_target_layers`` different from the target's depth, or a mask token
-        outside the target embedding. ``native_mtp`` defaults to the head loaded (on first use) from the target's
-        own checkpoint. The bind hooks then run (``import dmtp_hf`` registers the generation router, so that
-        ``target.generate(..., assistant_model=draft)`` runs DMTP decoding). A draft whose floating-point dtype
-        differs from the target's (e.g. an fp32 checkpoint next to a bf16 target) is cast to the target's dtype:
-        it consumes the target's embeddings and features and feeds its LM head.
+        outside the target embedding. ``native_mtp`` defaults to the head in the target's own checkpoint (read now,
+        for layouts with a T1 slot). The draft is cast to the target's floating-point dtype.
         """
-        text = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
-        if self.config.num_target_layers is None:  # older configs omit it: the bound target says, not the draft
-            self.config.num_target_layers = text.num_hidden_layers
-        check_draft_target_compatibility(self.config, target)
-        target_dtype = target.get_input_embeddings().weight.dtype
-        own = next((p.dtype for p in self.parameters() if p.is_floating_point()), target_dtype)
-        if target_dtype.is_floating_point and own != target_dtype:
-            self.to(dtype=target_dtype)
-        self.__dict__["_target"] = target  # bypass nn.Module registration on purpose: never saved or moved
-        self.__dict__["_native_mtp"] = native_mtp
-        for hook in _BIND_HOOKS:
-            hook(target)
+        bind_draft(self, target, native_mtp)
         return self
 
     @property
     def native_mtp(self) -> nn.Module:
-        """The target's native MTP head (loaded from the target checkpoint on first use, then cached)."""
-        if self.__dict__.get("_native_mtp") is None:
-            self.__dict__["_native_mtp"] = load_native_mtp(self.target, hidden_input=self.config.mtp_hidden_input)
-        return self.__dict__["_native_mtp"]
+        """The native MTP head bound with the target (see :meth:`bind`)."""
+        head = self.__dict__.get("_native_mtp")
+        if head is None:
+            reason = self.__dict__.get("_native_mtp_missing")
+            retrofit = self.config.dmtp_config.get("mtp_source") == "retrofit"
+            raise RuntimeError(
+                ("This draft was trained with a retrofitted MTP head (its target ships none): " if retrofit else
+                 "This draft has no native MTP head bound: ")
+                + "bind it with `draft.bind(target, native_mtp=load_native_mtp(target, checkpoint=HEAD_DIR))` "
+                + "(eval/bench: --mtp-head HEAD_DIR)."
+                + (f" Reading the target's own head failed: {reason}" if reason else "")
+            )  # fmt: skip
+        return head
 
     @property
     def target_embedding(self) -> nn.Module:
@@ -448,8 +373,6 @@ class DMTPDraftModel(DMTPPreTrainedModel):
         cache: Cache | None = None,
         use_cache: bool = False,
         context_is_projected: bool = False,
-        context_mask: torch.Tensor | None = None,
-        context_positions: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> BaseModelOutputWithPast:
         """Run the backbone on block slots.
@@ -458,16 +381,13 @@ class DMTPDraftModel(DMTPPreTrainedModel):
             inputs_embeds: ``[B, Q, H]`` block slot embeddings (see :meth:`block_embeddings`).
             context_features: ``[B, C_new, k*H]`` target features of positions not yet in ``cache`` (or ``None``).
             position_ids: ``[B, C_new + Q]`` absolute positions of the new context followed by the block slots.
-            attention_mask: ``None`` (inference: the block sees all context, which is strictly before A, and
-                itself; sliding windows are applied automatically), a mask ready for the attention kernel, or a
-                dict ``{"full_attention": m, "sliding_attention": m}``.
-            cache: a :class:`~transformers.DynamicCache` holding context K/V only.
+            attention_mask: ``None`` (one block that sees every context entry, all strictly before A, and itself;
+                cached entries sit at positions ``0 .. C_cached - 1``; sliding windows applied), a mask ready for the
+                attention kernel, or a dict ``{"full_attention": m, "sliding_attention": m}``
+                (``attention_masks.draft_attention_masks`` builds them for any layout).
+            cache: a :class:`~transformers.DynamicCache` (or the drafter state's slots) holding context K/V only.
             use_cache: create a cache when ``cache`` is ``None``.
             context_is_projected: ``context_features`` already went through :meth:`project_context`.
-            context_mask: ``[B, C_cached + C_new]`` which context entries are real (batched decoding appends padded
-                entries for rows that committed fewer tokens); ``None`` = all.
-            context_positions: ``[B, C_cached + C_new]`` positions of all context entries, needed only for sliding
-                windows when they are not ``0 .. C-1``.
 
         Returns:
             ``BaseModelOutputWithPast`` whose ``last_hidden_state`` is the final-normed ``[B, Q, H]``.
@@ -488,15 +408,12 @@ class DMTPDraftModel(DMTPPreTrainedModel):
                 f"positions + {q_len} block slots."
             )
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
-
-        masks = attention_mask if isinstance(attention_mask, dict) else None
-        if masks is None:
-            if attention_mask is not None:
-                masks = {"full_attention": attention_mask, "sliding_attention": attention_mask}
-            else:
-                masks = self._inference_masks(
-                    position_ids, c_new, q_len, cache, inputs_embeds.dtype, context_mask, context_positions
-                )
+        if isinstance(attention_mask, dict):
+            masks = attention_mask
+        elif attention_mask is not None:
+            masks = {"full_attention": attention_mask, "sliding_attention": attention_mask}
+        else:
+            masks = self._one_block_masks(position_ids, c_new, cache, inputs_embeds.dtype)
 
         hidden_states = inputs_embeds
         for layer in self.layers:
@@ -511,65 +428,18 @@ class DMTPDraftModel(DMTPPreTrainedModel):
         hidden_states = self.norm(hidden_states)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache if use_cache else None)
 
-    def _inference_masks(
-        self,
-        position_ids: torch.Tensor,
-        c_new: int,
-        q_len: int,
-        cache: Cache | None,
-        dtype: torch.dtype,
-        context_mask: torch.Tensor | None = None,
-        context_positions: torch.Tensor | None = None,
-    ) -> dict[str, torch.Tensor | None]:
-        """Masks for one block whose context (cached + new) lies entirely before its anchor.
-
-        Full-attention layers see every real context entry and the whole block (``None`` when nothing is masked,
-        which keeps the fastest kernels); sliding layers also get their window (context positions default to
-        ``0 .. C-1``).
-        """
-        masks: dict[str, torch.Tensor | None] = {"full_attention": None, "sliding_attention": None}
-        if context_mask is not None and bool(context_mask.all()):
-            context_mask = None
-        attentions = {layer.self_attn.layer_type: layer.self_attn for layer in self.layers}
-        needs_mask = {
-            layer_type: context_mask is not None or attn.block_causal or attn.sliding_window is not None
-            for layer_type, attn in attentions.items()
-        }
-        if not any(needs_mask.values()):
-            return masks
+    def _one_block_masks(self, position_ids: torch.Tensor, c_new: int, cache: Cache | None, dtype: torch.dtype):
+        """The default layout: one block over every context entry (cached ones at ``0 .. C_cached - 1``)."""
         cached = cache.get_seq_length() if cache is not None else 0
         bsz, device = position_ids.shape[0], position_ids.device
-        if context_positions is None:
-            context_positions = torch.cat(
-                [torch.arange(cached, device=device).expand(bsz, -1), position_ids[:, :c_new]], dim=1
-            )
-        key_pos = torch.cat([context_positions, position_ids[:, c_new:]], dim=1)  # [B, K]
-        key_blocks = torch.zeros_like(key_pos)
-        key_blocks[:, : cached + c_new] = -1
-        query_pos = position_ids[:, -q_len:]
-        never = torch.full_like(query_pos, torch.iinfo(query_pos.dtype).max)  # every context entry precedes A
-        key_ok = None
-        if context_mask is not None:
-            key_ok = torch.cat(
-                [context_mask.bool(), torch.ones_like(key_pos[:, cached + c_new :], dtype=torch.bool)], 1
-            )
-        impl = self.config._attn_implementation
-        for layer_type, attn in attentions.items():
-            if not needs_mask[layer_type]:
-                continue
-            visible = dflash_visibility(
-                query_pos[:, None, :, None],
-                torch.zeros_like(query_pos)[:, None, :, None],
-                never[:, None, :, None],
-                key_pos[:, None, None, :],
-                key_blocks[:, None, None, :],
-                causal=attn.block_causal,
-                window=attn.sliding_window,
-            )
-            if key_ok is not None:
-                visible = visible & key_ok[:, None, None, :]
-            masks[layer_type] = attention_mask_for_implementation(visible, impl, dtype)
-        return masks
+        context_positions = torch.cat([torch.arange(cached, device=device).expand(bsz, -1), position_ids[:, :c_new]], 1)
+        block_positions = position_ids[:, c_new:]
+        layout = AttentionLayout(
+            query_positions=block_positions,
+            key_positions=torch.cat([context_positions, block_positions], dim=1),
+            key_blocks=torch.cat([torch.full_like(context_positions, -1), torch.zeros_like(block_positions)], dim=1),
+        )
+        return draft_attention_masks(layout, layer_kinds(self.layers), self.config._attn_implementation, dtype)
 
     # ------------------------------------------------------------------------------------------------------------
     # Loading and saving
@@ -598,7 +468,7 @@ class DMTPDraftModel(DMTPPreTrainedModel):
         model, info = super().from_pretrained(
             pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
         )
-        _check_loading_info(model, info)
+        check_loading_info(info)
         if target is not None:
             model.bind(target)
         return (model, info) if want_info else model
@@ -616,82 +486,4 @@ class DMTPDraftModel(DMTPPreTrainedModel):
         save_dflash_checkpoint(self.state_dict(), self.config.to_dflash_dict(), save_directory, **kwargs)
 
 
-logger = hf_logging.get_logger(__name__)
-_FUSION_KEY = re.compile(r"^fusion\.")
-_BIND_HOOKS: list[Callable[[nn.Module], None]] = []
-
-
-def register_bind_hook(hook: Callable[[nn.Module], None]) -> None:
-    """Run ``hook(target)`` whenever a draft is bound to a target (idempotent per hook). The generation layer uses
-    it to route ``target.generate(assistant_model=...)``; the modeling layer itself knows nothing of decoding."""
-    if hook not in _BIND_HOOKS:
-        _BIND_HOOKS.append(hook)
-
-
-def _check_loading_info(model: DMTPDraftModel, info: dict[str, Any]) -> None:
-    missing = list(info.get("missing_keys") or [])
-    if model.config.checkpoint_without_fusion:
-        # A DFlash (or fusion-less DMTP) checkpoint has no fusion; it was initialised as documented (zero residual).
-        missing = [k for k in missing if not _FUSION_KEY.match(k)]
-        if model.fusion is not None:
-            logger.info("Checkpoint without fusion: fusion=%r initialised as documented.", model.config.fusion)
-    if missing:
-        raise ValueError(
-            f"Checkpoint is missing {len(missing)} tensor(s) required by the DMTP config: {sorted(missing)[:20]}"
-        )
-    unexpected = [
-        k
-        for k in (info.get("unexpected_keys") or [])
-        if not any(re.search(p, k) for p in DMTPPreTrainedModel._keys_to_ignore_on_load_unexpected)
-    ]
-    if unexpected:
-        raise ValueError(
-            f"Checkpoint has {len(unexpected)} tensor(s) this DMTP config does not use (wrong layout or an "
-            f"unsupported DFlash variant such as DFlash2/Domino?): {sorted(unexpected)[:20]}"
-        )
-    mismatched = info.get("mismatched_keys") or []
-    if mismatched:
-        details = [f"{k}: checkpoint {tuple(a)} vs model {tuple(b)}" for k, a, b in mismatched]
-        raise ValueError(f"Checkpoint tensor shapes do not match the DMTP config: {details}")
-
-
-def check_draft_target_compatibility(config: DMTPConfig, target: nn.Module) -> None:
-    """Raise ``ValueError`` if ``target`` cannot host this draft (see :meth:`DMTPDraftModel.bind`)."""
-    target_config = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
-    name = type(target).__name__
-    if target_config.hidden_size != config.hidden_size:
-        raise ValueError(
-            f"Draft hidden_size={config.hidden_size} does not match the target {name} "
-            f"hidden_size={target_config.hidden_size}."
-        )
-    num_layers = target_config.num_hidden_layers
-    ids = config.target_layer_ids or []
-    bad = [i for i in ids if not 0 <= i < num_layers]
-    if bad:
-        raise ValueError(
-            f"target_layer_ids {ids} out of range for the target {name} with {num_layers} layers (bad: {bad})."
-        )
-    if config.num_target_layers is not None and config.num_target_layers != num_layers:
-        raise ValueError(
-            f"The draft was built for a target with num_target_layers={config.num_target_layers}, but the "
-            f"target {name} has {num_layers} layers."
-        )
-    embedding = target.get_input_embeddings()
-    rows = embedding.weight.shape[0]
-    if config.mask_token_id is None or not 0 <= config.mask_token_id < rows:
-        raise ValueError(f"mask_token_id={config.mask_token_id} is outside the target embedding ({rows} rows).")
-    head = target.get_output_embeddings()
-    if head is not None and head.weight.shape[0] != config.vocab_size:
-        raise ValueError(
-            f"Vocabulary mismatch: the draft was built for vocab_size={config.vocab_size}, the target LM head "
-            f"has {head.weight.shape[0]} rows."
-        )
-
-
-__all__ = [
-    "DMTPDraftModel",
-    "DMTPPreTrainedModel",
-    "FirstCandidateFusion",
-    "check_draft_target_compatibility",
-    "register_bind_hook",
-]
+__all__ = ["DMTPDraftModel", "DMTPPreTrainedModel", "FirstCandidateFusion"]

@@ -4,11 +4,24 @@
 - `regenerate`: rewrite the assistant turns with the target itself (``dmtp regenerate``).
 - `features`: target context features and teacher-forced MTP hidden states, online or offline (``dmtp extract``).
 - `objective`: anchors, blocks per layout, DFlash visibility masks (dense SDPA / FlexAttention), decayed CE, metrics.
-- `trainer`: `TrainConfig` + `Trainer` (accelerate; ``scripts/finetune.py``, ``dmtp train``).
+- `config`: `TrainConfig`, every setting, validated (strict dataclass).
+- `models`: the draft and MTP head to train (from scratch, DFlash/DMTP weights, retrofit), LoRA, saving.
+- `schedule`: which samples each process reads at each step; `checkpoints`: atomic checkpoints, resume, export.
+- `trainer`: `Trainer`, the loop (accelerate; ``scripts/finetune.py``, ``dmtp train``).
 """
 
-from .data import ChatRenderer, TokenizedDataset, collate, conversation_from_record, load_dataset_records, read_jsonl
+from .config import TrainConfig
+from .data import (
+    ChatRenderer,
+    TokenizedDataset,
+    collate,
+    conversation_from_record,
+    load_dataset_records,
+    read_jsonl,
+    synthetic_greedy_dataset,
+)
 from .features import FeatureExtractor, OfflineFeatureDataset, extract_features, load_target
+from .models import build_draft, merged_copy
 from .objective import (
     BlockPlan,
     DMTPTrainingObjective,
@@ -21,7 +34,8 @@ from .objective import (
     valid_anchor_mask,
 )
 from .regenerate import regenerate
-from .trainer import StepSchedule, TrainConfig, Trainer, build_draft, merged_draft, synthetic_greedy_dataset
+from .schedule import StepSchedule
+from .trainer import Trainer
 
 __all__ = [
     "BlockPlan",
@@ -42,7 +56,7 @@ __all__ = [
     "extract_features",
     "load_dataset_records",
     "load_target",
-    "merged_draft",
+    "merged_copy",
     "plan_blocks",
     "read_jsonl",
     "regenerate",

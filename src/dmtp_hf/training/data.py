@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+from transformers import GenerationConfig
 
 __all__ = [
     "ChatRenderer",
@@ -40,6 +41,7 @@ __all__ = [
     "conversation_from_record",
     "load_dataset_records",
     "read_jsonl",
+    "synthetic_greedy_dataset",
 ]
 
 _ROLES = {
@@ -316,3 +318,23 @@ class OfflineFeatureDataset(torch.utils.data.Dataset):
         state = self.__dict__.copy()
         state["_handles"] = {}
         return state
+
+
+def synthetic_greedy_dataset(
+    target: torch.nn.Module, num_samples: int, length: int, prompt_length: int = 8, seed: int = 0
+) -> TokenizedDataset:
+    """Random prompts continued greedily by the target itself (smoke tests: the target-regenerated data setting).
+
+    Loss mask: the continuation only. ``train_data: synthetic:<N>x<len>`` in a config selects it.
+    """
+    vocab = target.config.get_text_config().vocab_size
+    generator = torch.Generator().manual_seed(seed)
+    device = next(target.parameters()).device
+    prompts = torch.randint(0, vocab - 1, (num_samples, prompt_length), generator=generator).to(device)
+    # No EOS: every sample runs to `length` tokens.
+    greedy = GenerationConfig(do_sample=False, max_new_tokens=length - prompt_length, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        ids = target.generate(prompts, attention_mask=torch.ones_like(prompts), generation_config=greedy)
+    loss_mask = torch.zeros_like(ids)
+    loss_mask[:, prompt_length:] = 1
+    return TokenizedDataset([{"input_ids": i.cpu(), "loss_mask": m.cpu()} for i, m in zip(ids, loss_mask, strict=True)])

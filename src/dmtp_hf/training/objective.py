@@ -7,9 +7,8 @@ Read top to bottom:
    also need ``a >= 1`` so that ``g_{a-1}``, the MTP hidden predicting ``x_{a+1}``, exists).
 2. ``plan_blocks``: everything that depends only on the data and the anchors (labels, slot weights), so the
    trainer can know the global loss normaliser before any forward.
-3. ``build_attention_masks``: the DFlash visibility rule (``modeling_dmtp.dflash_visibility``) as a dense boolean
-   mask (SDPA/eager, CPU) or as a FlexAttention ``BlockMask`` whose ``mask_mod`` evaluates the same rule from index
-   tensors (GPU).
+3. ``build_attention_masks``: the training layout of the one draft mask rule (``attention_masks.py``), as a dense
+   boolean mask (SDPA/eager) or as a FlexAttention ``BlockMask`` whose ``mask_mod`` evaluates the same rule.
 4. ``DMTPTrainingObjective``: the ``nn.Module`` that accelerate wraps (DDP/FSDP/DeepSpeed): it builds the blocks
    with ``draft.block_embeddings`` (T1 = the dataset token ``x_{a+1}``, MTP hidden = ``g_{a-1}``), runs the draft
    once over ``[context S | all blocks]`` and returns the decayed cross-entropy on the MASK slots plus metrics.
@@ -41,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..modeling.attention_masks import attention_mask_for_implementation, dflash_visibility, flex_key_length
+from ..modeling.attention_masks import AttentionLayout, draft_attention_masks, layer_kinds
 from ..modeling.configuration_dmtp import DMTPConfig
 from ..modeling.modeling_dmtp import DMTPDraftModel
 
@@ -168,15 +167,6 @@ def plan_blocks(
 # 3. Attention masks
 
 
-def _layer_type_settings(draft: DMTPDraftModel) -> dict[str, tuple[bool, int | None]]:
-    """``{layer_type: (block_causal, sliding_window)}`` for each attention type the draft uses."""
-    settings = {}
-    for layer in draft.layers:
-        attn = layer.self_attn
-        settings.setdefault(attn.layer_type, (attn.block_causal, attn.sliding_window))
-    return settings
-
-
 def build_attention_masks(
     draft: DMTPDraftModel,
     anchors: torch.Tensor,  # [B, N]
@@ -186,70 +176,26 @@ def build_attention_masks(
 ) -> dict[str, object]:
     """Masks for queries = all block slots ``[B, N*L]`` over keys = ``[context S | all blocks]``, per layer type.
 
-    SDPA/eager get a dense ``[B, 1, N*L, S + N*L]`` mask; ``flex_attention`` gets a ``BlockMask`` whose
-    ``mask_mod`` looks the anchors up by index (no dense tensor captured), evaluating the same
-    `dflash_visibility` rule. Padding blocks see no context (``context_end = 0``) but their own slots.
+    The training layout for `draft_attention_masks`: SDPA/eager get a dense ``[B, 1, N*L, S + N*L]`` mask,
+    ``flex_attention`` a ``BlockMask`` evaluating the same rule. Padding blocks see no context
+    (``context_end = 0``) but their own slots.
     """
     config = draft.config
     bsz, num_blocks = anchors.shape
-    block_len, offset = config.block_length, config.block_offset
-    block_start = anchors + offset  # [B, N] position of each block's first slot
-    context_end = torch.where(keep, anchors, torch.zeros_like(anchors))  # strict: kv_pos < a
-    implementation = config._attn_implementation
-    masks: dict[str, object] = {}
-    for layer_type, (causal, window) in _layer_type_settings(draft).items():
-        if implementation == "flex_attention":
-            masks[layer_type] = _flex_block_mask(block_start, context_end, context_len, block_len, causal, window)
-            continue
-        slot = torch.arange(block_len, device=anchors.device)
-        q_pos = (block_start[..., None] + slot).flatten(1)  # [B, Q]
-        q_blk = torch.arange(num_blocks, device=anchors.device).repeat_interleave(block_len).expand(bsz, -1)
-        q_end = context_end.repeat_interleave(block_len, dim=1)  # [B, Q]
-        ctx_pos = torch.arange(context_len, device=anchors.device).expand(bsz, -1)
-        k_pos = torch.cat([ctx_pos, q_pos], dim=1)  # [B, K]
-        k_blk = torch.cat([torch.full_like(ctx_pos, -1), q_blk], dim=1)
-        visible = dflash_visibility(
-            q_pos[:, None, :, None],
-            q_blk[:, None, :, None],
-            q_end[:, None, :, None],
-            k_pos[:, None, None, :],
-            k_blk[:, None, None, :],
-            causal=causal,
-            window=window,
-        )  # [B, 1, Q, K]
-        masks[layer_type] = attention_mask_for_implementation(visible, implementation, dtype)
-    return masks
-
-
-def _flex_block_mask(
-    block_start: torch.Tensor,  # [B, N]
-    context_end: torch.Tensor,  # [B, N]
-    context_len: int,
-    block_len: int,
-    causal: bool,
-    window: int | None,
-):
-    """A FlexAttention ``BlockMask`` for the training layout, computed from index arithmetic."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    bsz, num_blocks = block_start.shape
-
-    q_len = num_blocks * block_len
-    kv_len = context_len + q_len
-    padded = flex_key_length(kv_len, block_start.device)  # keys past kv_len: padding (torch's CPU kernel), hidden
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        q_blk = q_idx // block_len
-        q_pos = block_start[b, q_blk] + q_idx % block_len
-        is_context = kv_idx < context_len
-        block_offset = (kv_idx - context_len).clamp(min=0, max=q_len - 1)
-        k_blk_index = block_offset // block_len
-        k_pos = torch.where(is_context, kv_idx, block_start[b, k_blk_index] + block_offset % block_len)
-        k_blk = torch.where(is_context, -1, k_blk_index)
-        visible = dflash_visibility(q_pos, q_blk, context_end[b, q_blk], k_pos, k_blk, causal=causal, window=window)
-        return visible & (kv_idx < kv_len)
-
-    return create_block_mask(mask_mod, bsz, None, q_len, padded, device=block_start.device)
+    block_len, device = config.block_length, anchors.device
+    slot = torch.arange(block_len, device=device)
+    query_positions = ((anchors + config.block_offset)[..., None] + slot).flatten(1)  # [B, Q]
+    query_blocks = torch.arange(num_blocks, device=device).repeat_interleave(block_len).expand(bsz, -1)
+    context_end = torch.where(keep, anchors, torch.zeros_like(anchors)).repeat_interleave(block_len, dim=1)
+    context_positions = torch.arange(context_len, device=device).expand(bsz, -1)
+    layout = AttentionLayout(
+        query_positions=query_positions,
+        key_positions=torch.cat([context_positions, query_positions], dim=1),  # [B, S + Q]
+        key_blocks=torch.cat([torch.full_like(context_positions, -1), query_blocks], dim=1),
+        query_blocks=query_blocks,
+        context_end=context_end,  # strict: kv_pos < a
+    )
+    return draft_attention_masks(layout, layer_kinds(draft.layers), config._attn_implementation, dtype)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -1,18 +1,11 @@
-"""The draft trainer: one loop for DMTP (single/dual layouts) and the DFlash baseline.
+"""The trainer: one loop for DMTP (single/dual layouts), the DFlash baseline and the native MTP head.
 
 ``accelerate launch scripts/finetune.py --config configs/example-dmtp.yaml`` (or plain ``python``) runs `main`.
-
-Read top to bottom:
-
-1. `TrainConfig`: every setting, typed, loaded from YAML (unknown keys are errors).
-2. `build_draft`: a draft from scratch (sized from the target) or from a DFlash/DMTP checkpoint (``init_from``); a
-   DFlash checkpoint loaded as ``dual`` + ``residual`` starts exactly as "DFlash conditioned on T1" (zero fusion).
-3. `StepSchedule`: which samples each process reads at each optimizer step, a pure function of ``(seed, step)``.
-   Anchors are also drawn per *global* batch from ``(seed, step)`` (`objective.anchor_scores`). Hence exact resume
-   (no data-loader state to restore) and a 2-process run equal to a 1-process run with the same global batch.
-4. `Trainer`: frozen target + MTP head (features online, or read from offline shards), AdamW, cosine schedule with
-   warmup, gradient clipping, bf16 autocast on GPU, gradient accumulation, optional gradient checkpointing and LoRA,
-   atomic checkpoints (accelerate state + an exportable draft), periodic held-out evaluation, TensorBoard.
+The rooms around it: `config.TrainConfig` (every setting, validated), `models` (what is trained and how it is
+saved), `schedule.StepSchedule` (which samples each process reads), `checkpoints` (atomic checkpoints, resume,
+export). Read `Trainer.train` and `Trainer.train_step` top to bottom: frozen target + MTP head (features online, or
+read from offline shards), AdamW, cosine schedule with warmup, gradient clipping, bf16 autocast on GPU, gradient
+accumulation, optional gradient checkpointing and LoRA, periodic held-out evaluation, TensorBoard.
 
 The loss of a step is ``sum(w * CE) / sum(w)`` over the *whole global batch*: the weight total is known before any
 forward (it depends on anchors and loss masks only), so each micro-batch's loss is normalised by the global total
@@ -23,337 +16,37 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
-import dataclasses
-import json
 import math
-import os
-import shutil
 import time
-import types
-import typing
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch import nn
 from tqdm.auto import tqdm
-from transformers import GenerationConfig, HfArgumentParser, get_cosine_schedule_with_warmup
+from transformers import get_cosine_schedule_with_warmup
 
 from ..bundled import resolve_target_path
-from ..modeling import DMTPConfig, DMTPDraftModel, load_native_mtp
-from ..modeling.io import atomic_directory
-from ..modeling.native_mtp import NativeMTPHead, new_mtp_head
-from ..modeling.native_mtp.export import save_mtp_head
-from .data import TokenizedDataset, collate, load_dataset_records
+from ..modeling import DMTPDraftModel
+from .checkpoints import CheckpointMixin
+from .config import TrainConfig
+from .data import collate, load_dataset_records, synthetic_greedy_dataset
 from .features import FEATURE_KEYS, FeatureExtractor, freeze, load_target
+from .models import build_draft, build_mtp_head, wrap_lora
 from .mtp_objective import JointObjective, MTPHeadObjective, mtp_positions
 from .objective import DMTPTrainingObjective, anchor_scores, plan_blocks
+from .schedule import StepSchedule
 
-__all__ = [
-    "StepSchedule",
-    "TrainConfig",
-    "Trainer",
-    "build_draft",
-    "main",
-    "merged_draft",
-    "synthetic_greedy_dataset",
-]
-
-LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-# ----------------------------------------------------------------------------------------------------
-# 1. Config
-
-
-@dataclass(kw_only=True)
-class TrainConfig:
-    """Every training setting. Load with `TrainConfig.from_yaml`; see ``configs/*.yaml`` for documented examples."""
-
-    # --- models
-    target_model: str  # target checkpoint (``bundled``: the bundled target)
-    init_from: str | None = None  # DFlash or DMTP draft checkpoint to continue from; None = from scratch
-    anchor_layout: str = "dual"  # dflash | single | dual
-    fusion: str = "residual"  # none | hidden_residual | residual | replace (dflash forces none)
-    draft_config: dict[str, Any] = field(default_factory=dict)  # DMTPConfig overrides (from scratch: sizes, mask id)
-    attn_implementation: str = "sdpa"  # sdpa (dense mask) | flex_attention (BlockMask) | eager
-    mtp_hidden_input: str = "post_norm"  # which target hidden the MTP head reads
-    train_mtp_head: str = "frozen"  # frozen (train the draft) | only (the native MTP head alone) | joint (both)
-    mtp_init_from: str | None = None  # head checkpoint (`save_mtp_head`) to start from; None = the target's own
-    mtp_retrofit: bool = False  # the target ships no MTP head: train a new one (retrofit layout)
-    mtp_loss_weight: float = 1.0  # joint: weight of the head loss next to the draft loss
-    mtp_kl_weight: float = 0.0  # head loss: CE + this * KL(target || head)
-    target_dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16
-    # --- data
-    train_data: str  # chat/pre-tokenized JSONL, an offline feature directory, or synthetic:<N>x<len>
-    eval_data: str | None = None  # held-out set (same forms); None = the last `eval_holdout` train samples
-    eval_holdout: int = 0
-    tokenizer: str | None = None  # default: the target checkpoint
-    enable_thinking: bool | None = None  # chat template `enable_thinking` (None: template default)
-    mask_strategy: str = "auto"  # auto | generation | incremental (see training/data.py)
-    max_length: int = 4096
-    # --- objective
-    num_anchors: int = 512
-    loss_decay_gamma: float | None = 4.0  # exp(-(j-1)/gamma) slot weights; 4 for 8-slot blocks (SpecForge)
-    logits_chunk_size: int | None = None  # supervised slots per LM-head chunk (checkpointed); None = all at once
-    # --- optimisation
-    micro_batch_size: int = 1  # per process
-    gradient_accumulation_steps: int = 1
-    num_epochs: int = 1
-    max_steps: int | None = None  # overrides num_epochs
-    learning_rate: float = 6e-4
-    weight_decay: float = 0.0
-    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    adam_eps: float = 1e-8
-    warmup_ratio: float = 0.04
-    max_grad_norm: float = 1.0
-    mixed_precision: str = "auto"  # auto (bf16 on GPU) | no | bf16 | fp16
-    gradient_checkpointing: bool = False
-    seed: int = 42
-    # --- LoRA (PEFT) on the backbone; the fusion stays fully trainable
-    lora: bool = False
-    lora_r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.0
-    lora_target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGET_MODULES))
-    # --- checkpoints, evaluation, logging
-    output_dir: str
-    save_every: int = 1000  # steps; 0 = only at the end
-    save_total_limit: int | None = 3
-    resume_from: str | None = "auto"  # auto (latest in output_dir) | a checkpoint directory | None
-    eval_every: int = 500  # steps; 0 = never
-    eval_batch_size: int = 4
-    log_every: int = 10
-    report_to: str = "tensorboard"  # tensorboard | none
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
-        """Build and type-check from a plain dict (unknown keys raise ``ValueError`` naming them)."""
-        try:
-            (config,) = HfArgumentParser(cls).parse_dict(values, allow_extra_keys=False)
-        except ValueError as err:
-            raise ValueError(f"Unknown config key(s): {err}") from None
-        # HfArgumentParser.parse_dict does not check value types: a wrong type must fail here, not mid-training.
-        hints = typing.get_type_hints(cls)
-        for key, value in values.items():
-            if not _type_matches(value, hints[key]):
-                raise ValueError(f"Config key {key!r} expects {hints[key]}, got {value!r}")
-        config.validate()
-        return config
-
-    @classmethod
-    def from_yaml(cls, path: str | os.PathLike, overrides: Sequence[str] = ()) -> TrainConfig:
-        """Load a YAML file, then apply ``key=value`` overrides (values parsed as YAML)."""
-        values = yaml.safe_load(Path(path).read_text()) or {}
-        for item in overrides:
-            key, sep, raw = item.partition("=")
-            if not sep:
-                raise ValueError(f"Override {item!r} is not of the form key=value")
-            values[key.strip()] = yaml.safe_load(raw)
-        return cls.from_dict(values)
-
-    def validate(self) -> None:
-        """Raise ``ValueError`` on inconsistent settings."""
-        choices = {
-            "anchor_layout": ("dflash", "single", "dual"),
-            "attn_implementation": ("sdpa", "flex_attention", "eager"),
-            "mixed_precision": ("auto", "no", "bf16", "fp16"),
-            "report_to": ("tensorboard", "none"),
-            "mask_strategy": ("auto", "generation", "incremental"),
-            "train_mtp_head": ("frozen", "only", "joint"),
-        }
-        for key, allowed in choices.items():
-            if getattr(self, key) not in allowed:
-                raise ValueError(f"{key} must be one of {allowed}, got {getattr(self, key)!r}")
-        for key in ("micro_batch_size", "gradient_accumulation_steps", "num_anchors", "max_length", "num_epochs"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"{key} must be >= 1")
-        if self.logits_chunk_size is not None and self.logits_chunk_size < 1:
-            raise ValueError("logits_chunk_size must be >= 1 (or null for no chunking)")
-        if self.anchor_layout == "dflash" and self.fusion != "none":
-            self.fusion = "none"  # DFlash blocks have no T1 slot
-        if self.train_mtp_head == "joint" and self.anchor_layout == "dflash":
-            raise ValueError("train_mtp_head='joint' trains a DMTP draft with the head: anchor_layout 'single'/'dual'")
-        if self.mtp_retrofit and self.train_mtp_head == "frozen" and not self.mtp_init_from:
-            raise ValueError("mtp_retrofit builds an untrained head: train it (train_mtp_head only/joint)")
-
-    def to_dict(self) -> dict[str, Any]:
-        """The config as a plain dict (what is saved next to checkpoints)."""
-        return dataclasses.asdict(self)
-
-
-def _type_matches(value: Any, hint: Any) -> bool:
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        return any(_type_matches(value, h) for h in typing.get_args(hint))
-    if hint is type(None):
-        return value is None
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if origin is list:
-        (item,) = typing.get_args(hint)
-        return isinstance(value, list) and all(_type_matches(v, item) for v in value)
-    if origin is dict:
-        return isinstance(value, dict)
-    return hint is Any or isinstance(value, hint)
-
-
-# ----------------------------------------------------------------------------------------------------
-# 2. Draft construction
-
-
-def build_draft(config: TrainConfig, target: nn.Module) -> DMTPDraftModel:
-    """The draft to train, bound to ``target``: loaded from ``init_from`` or built from scratch.
-
-    From scratch, the backbone copies the target's width, heads and head size (DFlash convention); everything can be
-    overridden in ``draft_config`` (``mask_token_id`` is required: the target embedding row used for MASK slots).
-    """
-    layout = {"anchor_layout": config.anchor_layout, "fusion": config.fusion}
-    if config.init_from:
-        draft = DMTPDraftModel.from_pretrained(config.init_from, **layout, **config.draft_config)
-        return draft.bind(target)
-    text = target.config.get_text_config()
-    rope = dict(getattr(text, "rope_parameters", None) or {})
-    kwargs: dict[str, Any] = {
-        "vocab_size": text.vocab_size,
-        "hidden_size": text.hidden_size,
-        "intermediate_size": text.intermediate_size,
-        "num_hidden_layers": 1,
-        "num_attention_heads": text.num_attention_heads,
-        "num_key_value_heads": text.num_key_value_heads,
-        "head_dim": getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
-        "rms_norm_eps": text.rms_norm_eps,
-        "max_position_embeddings": text.max_position_embeddings,
-        "rope_parameters": {"rope_type": "default", "rope_theta": float(rope.get("rope_theta", 1e6))},
-        "num_target_layers": text.num_hidden_layers,
-        "mtp_hidden_size": text.hidden_size,
-        "mtp_hidden_input": config.mtp_hidden_input,
-        **layout,
-    }
-    kwargs.update(config.draft_config)
-    if kwargs.get("mask_token_id") is None:
-        raise ValueError("A draft built from scratch needs draft_config.mask_token_id (the MASK embedding row).")
-    return DMTPDraftModel(DMTPConfig(**kwargs)).bind(target)
-
-
-def merged_draft(model: nn.Module) -> DMTPDraftModel:
-    """A plain `DMTPDraftModel` from a (possibly PEFT/LoRA-wrapped) draft; LoRA is merged into a *copy*.
-
-    The original keeps training unchanged (merging in place and unmerging would not round-trip bit-exactly).
-    """
-    if not hasattr(model, "merge_and_unload"):
-        return model
-    base = model.get_base_model()
-    # The bound target lives in the draft's __dict__; keep it out of the deep copy.
-    bound = {key: base.__dict__.get(key) for key in ("_target", "_native_mtp")}
-    base.__dict__.update(dict.fromkeys(bound))
-    try:
-        clone = copy.deepcopy(model)
-    finally:
-        base.__dict__.update(bound)
-    merged = clone.merge_and_unload()
-    merged.__dict__.update(bound)
-    return merged
-
-
-def synthetic_greedy_dataset(
-    target: nn.Module, num_samples: int, length: int, prompt_length: int = 8, seed: int = 0
-) -> TokenizedDataset:
-    """Random prompts continued greedily by the target itself (smoke tests: the target-regenerated data setting).
-
-    Loss mask: the continuation only. ``train_data: synthetic:<N>x<len>`` in a config selects it.
-    """
-    vocab = target.config.get_text_config().vocab_size
-    generator = torch.Generator().manual_seed(seed)
-    device = next(target.parameters()).device
-    prompts = torch.randint(0, vocab - 1, (num_samples, prompt_length), generator=generator).to(device)
-    # No EOS: every sample runs to `length` tokens.
-    greedy = GenerationConfig(do_sample=False, max_new_tokens=length - prompt_length, eos_token_id=None, pad_token_id=0)
-    with torch.no_grad():
-        ids = target.generate(prompts, attention_mask=torch.ones_like(prompts), generation_config=greedy)
-    loss_mask = torch.zeros_like(ids)
-    loss_mask[:, prompt_length:] = 1
-    return TokenizedDataset([{"input_ids": i.cpu(), "loss_mask": m.cpu()} for i, m in zip(ids, loss_mask, strict=True)])
-
-
-def merged_head(model: nn.Module) -> NativeMTPHead:
-    """A plain `NativeMTPHead` from a (possibly LoRA-wrapped) head; LoRA is merged into a copy (see `merged_draft`)."""
-    if not hasattr(model, "merge_and_unload"):
-        return model
-    base = model.get_base_model()
-    shared = base.__dict__.pop("_shared")  # the target's embedding and LM head: referenced, never copied
-    try:
-        clone = copy.deepcopy(model)
-    finally:
-        base.__dict__["_shared"] = shared
-    merged = clone.merge_and_unload()
-    merged.__dict__["_shared"] = shared
-    return merged
-
-
-# ----------------------------------------------------------------------------------------------------
-# 3. Which samples each process reads
-
-
-class StepSchedule:
-    """Deterministic data order: epoch ``e`` is a permutation seeded by ``seed + e``; step ``s`` takes the next
-    ``global_batch_size`` samples (last partial batch dropped). Micro-batch ``m`` of process ``r`` reads global rows
-    ``[(m * P + r) * b, ... + b)``, so any split of the same global batch reads the same samples in the same rows."""
-
-    def __init__(
-        self,
-        num_samples: int,
-        micro_batch_size: int,
-        accumulation_steps: int,
-        num_processes: int = 1,
-        process_index: int = 0,
-        seed: int = 0,
-    ):
-        self.num_samples = num_samples
-        self.micro_batch_size = micro_batch_size
-        self.accumulation_steps = accumulation_steps
-        self.num_processes = num_processes
-        self.process_index = process_index
-        self.seed = seed
-        self.global_batch_size = micro_batch_size * accumulation_steps * num_processes
-        self.steps_per_epoch = num_samples // self.global_batch_size
-        if self.steps_per_epoch == 0:
-            raise ValueError(
-                f"The training set has {num_samples} samples, fewer than one global batch ({self.global_batch_size} "
-                f"= micro_batch_size x gradient_accumulation_steps x processes)."
-            )
-        self._epoch, self._order = -1, None
-
-    def micro_batches(self, step: int) -> list[tuple[list[int], int]]:
-        """This process's micro-batches at ``step``: ``(sample indices, first global row)`` each."""
-        epoch, k = divmod(step, self.steps_per_epoch)
-        if epoch != self._epoch:
-            generator = torch.Generator().manual_seed(self.seed + epoch)
-            self._epoch, self._order = epoch, torch.randperm(self.num_samples, generator=generator).tolist()
-        batch = self._order[k * self.global_batch_size : (k + 1) * self.global_batch_size]
-        out = []
-        for m in range(self.accumulation_steps):
-            row = (m * self.num_processes + self.process_index) * self.micro_batch_size
-            out.append((batch[row : row + self.micro_batch_size], row))
-        return out
-
-
-# ----------------------------------------------------------------------------------------------------
-# 4. The trainer
+__all__ = ["StepCallback", "Trainer", "main"]
 
 
 StepCallback = Callable[["Trainer", int, dict[str, float]], None]
 
 
-class Trainer:
+class Trainer(CheckpointMixin):
     """Trains a DMTP (or DFlash) draft against a frozen target and its frozen native MTP head.
 
     Args:
@@ -391,7 +84,7 @@ class Trainer:
             dtype = config.target_dtype if config.target_dtype != "auto" else ("bfloat16" if cuda else "float32")
             target = load_target(config.target_model, dtype=getattr(torch, dtype))
         self.target = freeze(target).to(acc.device)
-        self.mtp_head = self._build_mtp_head()
+        self.mtp_head = build_mtp_head(config, self.target)
         draft = None if config.train_mtp_head == "only" else self._build_draft()
         frozen_head = self.mtp_head if config.train_mtp_head == "frozen" else None
         self.extractor = FeatureExtractor(
@@ -448,55 +141,26 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------------------
     # Setup helpers
 
-    def _build_mtp_head(self) -> NativeMTPHead | None:
-        """The native MTP head: frozen (draft training), trainable (``train_mtp_head`` only/joint), or None (DFlash)."""
-        config = self.config
-        if config.train_mtp_head == "frozen" and config.anchor_layout == "dflash":
-            return None
-        trained = config.train_mtp_head != "frozen"
-        dtype = torch.float32 if trained else None  # trained weights keep fp32 masters (autocast computes in bf16)
-        if config.mtp_retrofit and not config.mtp_init_from:
-            head = new_mtp_head(self.target, hidden_input=config.mtp_hidden_input, dtype=dtype)
-        else:
-            head = load_native_mtp(
-                self.target, checkpoint=config.mtp_init_from, hidden_input=config.mtp_hidden_input, dtype=dtype
-            )
-        return head.requires_grad_(True).train() if trained else freeze(head)
-
     def _build_draft(self) -> nn.Module:
         config = self.config
         set_seed(config.seed)
-        draft = build_draft(config, self.target)
+        draft = build_draft(config, self.target, native_mtp=self.mtp_head)
         draft.set_attn_implementation(config.attn_implementation)
-        draft.bind(self.target, native_mtp=self.mtp_head)
         if config.gradient_checkpointing:
             draft.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        return self._wrap_lora(draft, ["fusion"] if draft.fusion is not None else None) if config.lora else draft
+        return wrap_lora(config, draft, ["fusion"] if draft.fusion is not None else None) if config.lora else draft
 
     def _build_objective(self, draft: nn.Module | None) -> nn.Module:
         """What accelerate wraps: the draft objective, the head objective (``only``), or both (``joint``)."""
         config = self.config
         if config.train_mtp_head == "only":
-            head = self._wrap_lora(self.mtp_head, None) if config.lora else self.mtp_head
+            head = wrap_lora(config, self.mtp_head, None) if config.lora else self.mtp_head
             return MTPHeadObjective(head, config.mtp_kl_weight, config.logits_chunk_size or 1024)
         objective = DMTPTrainingObjective(draft, config.loss_decay_gamma, config.logits_chunk_size)
         if config.train_mtp_head == "joint":
             head = MTPHeadObjective(self.mtp_head, config.mtp_kl_weight, config.logits_chunk_size or 1024)
             objective = JointObjective(objective, head, config.mtp_loss_weight)
         return objective
-
-    def _wrap_lora(self, model: nn.Module, modules_to_save: list[str] | None) -> nn.Module:
-        from peft import LoraConfig, get_peft_model
-
-        config = self.config
-        lora = LoraConfig(
-            r=config.lora_r,
-            lora_alpha=config.lora_alpha,
-            lora_dropout=config.lora_dropout,
-            target_modules=list(config.lora_target_modules),
-            modules_to_save=modules_to_save,
-        )
-        return get_peft_model(model, lora)
 
     def _load_data(self, source: str) -> torch.utils.data.Dataset:
         config = self.config
@@ -692,66 +356,7 @@ class Trainer:
         return objective.metrics_from_vector(acc.reduce(vector.to(acc.device), reduction="sum"))
 
     # ------------------------------------------------------------------------------------------------------------
-    # Checkpoints
-
-    @property
-    def checkpoint_root(self) -> Path:
-        """``output_dir/checkpoints``: one ``step-XXXXXXXX`` directory per checkpoint."""
-        return Path(self.config.output_dir) / "checkpoints"
-
-    # Our own naming and rotation, not accelerate's ProjectConfiguration(automatic_checkpoint_naming): that writes the
-    # state in place (not atomically) and cannot keep the exported model and trainer state in the same unit.
-    def save_checkpoint(self) -> Path:
-        """Write ``checkpoints/step-N/{state/, model/, trainer_state.json}`` atomically (all processes call this).
-
-        ``state/`` is accelerate's (model, optimizer, scheduler, RNG); ``model/`` is a plain `DMTPDraftModel`
-        checkpoint (LoRA merged) loadable with ``DMTPDraftModel.from_pretrained``; ``mtp_head/`` the trained MTP head
-        (``load_native_mtp(target, checkpoint=...)``) when the head is trained.
-        """
-        acc = self.accelerator
-        final = self.checkpoint_root / f"step-{self.step:08d}"
-        partial = self.checkpoint_root / f".step-{self.step:08d}.partial"
-        if acc.is_main_process:
-            shutil.rmtree(partial, ignore_errors=True)
-        acc.wait_for_everyone()
-        acc.save_state(str(partial))
-        # Every process writes its own RNG state into `partial` and save_state does not wait for the others: moving
-        # the folder before they are done made a slower process fail to write (a 2-process CPU run hit it).
-        acc.wait_for_everyone()
-        state_dict = acc.get_state_dict(self.objective)  # gathers sharded (FSDP/DeepSpeed) weights
-        if acc.is_main_process:
-            with atomic_directory(final) as tmp:
-                os.replace(partial, tmp / "state")
-                self._save_models(tmp / "model", tmp / "mtp_head", state_dict)
-                state = {
-                    "step": self.step,
-                    "total_steps": self.total_steps,
-                    "train_seconds": self.train_seconds,
-                    "last_eval": self.last_eval,
-                    "config": self.config.to_dict(),
-                }
-                (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
-            self._prune_checkpoints()
-        acc.wait_for_everyone()
-        return final
-
-    def _save_models(self, draft_dir: Path, head_dir: Path, state_dict: dict[str, torch.Tensor] | None) -> None:
-        """The draft (when one is trained) and the MTP head (when it is trained), LoRA merged."""
-        if self.config.train_mtp_head != "only":
-            self._save_draft(draft_dir, state_dict)
-        if self.trained_head is not None:
-            save_mtp_head(merged_head(self.trained_head), head_dir, self.target, training_steps=self.step)
-
-    def _save_draft(self, directory: Path, state_dict: dict[str, torch.Tensor] | None) -> None:
-        objective = self.unwrapped_objective
-        joint = isinstance(objective, JointObjective)
-        unwrapped = (objective.draft_objective if joint else objective).model
-        if hasattr(unwrapped, "merge_and_unload") or state_dict is None:
-            merged_draft(unwrapped).save_pretrained(directory)
-            return
-        prefix = "draft_objective.model." if joint else "model."  # the gathered state dict (FSDP/DeepSpeed shards)
-        weights = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
-        unwrapped.save_pretrained(directory, state_dict=weights)
+    # Records
 
     def _evaluate_and_keep(self) -> dict[str, float]:
         self.last_eval = {"step": self.step, **self.evaluate()}
@@ -776,54 +381,6 @@ class Trainer:
             "last_eval": self.last_eval,
             "config": config.to_dict(),
         }
-
-    def export(self, directory: str | os.PathLike, head_directory: str | os.PathLike | None = None) -> None:
-        """Write what was trained, each atomically with a ``training.json``: the draft as a plain `DMTPDraftModel`
-        checkpoint (LoRA merged) to ``directory``; the MTP head, when trained, to ``head_directory`` (default:
-        ``<directory>_mtp_head``) as a head checkpoint ``load_native_mtp(target, checkpoint=...)`` reads."""
-        state_dict = self.accelerator.get_state_dict(self.objective)
-        if self.accelerator.is_main_process:
-            record = json.dumps(self.training_record(), indent=2) + "\n"
-            if self.config.train_mtp_head != "only":
-                with atomic_directory(directory) as tmp:
-                    self._save_draft(tmp, state_dict)
-                    (tmp / "training.json").write_text(record)
-            if self.trained_head is not None:
-                head_directory = Path(head_directory or f"{directory}_mtp_head")
-                with atomic_directory(head_directory) as tmp:
-                    save_mtp_head(merged_head(self.trained_head), tmp / "head", self.target, training_steps=self.step)
-                    for item in (tmp / "head").iterdir():
-                        os.replace(item, tmp / item.name)
-                    (tmp / "head").rmdir()
-                    (tmp / "training.json").write_text(record)
-        self.accelerator.wait_for_everyone()
-
-    def _prune_checkpoints(self) -> None:
-        limit = self.config.save_total_limit
-        if not limit:
-            return
-        for old in sorted(self.checkpoint_root.glob("step-*"))[:-limit]:
-            shutil.rmtree(old, ignore_errors=True)
-
-    def _find_resume_checkpoint(self) -> Path | None:
-        source = self.config.resume_from
-        if not source:
-            return None
-        if source != "auto":
-            return Path(source)
-        found = sorted(self.checkpoint_root.glob("step-*"))
-        return found[-1] if found else None
-
-    def load_checkpoint(self, directory: str | os.PathLike) -> None:
-        """Restore weights, optimizer, scheduler, RNG and step from a checkpoint written by `save_checkpoint`."""
-        directory = Path(directory)
-        state = json.loads((directory / "trainer_state.json").read_text())
-        self.accelerator.load_state(str(directory / "state"))
-        self.step = int(state["step"])
-        self.train_seconds = float(state.get("train_seconds", 0.0))
-        self.last_eval = state.get("last_eval")
-        if self.accelerator.is_main_process:
-            print(f"resumed from {directory} at step {self.step}")
 
 
 def _postfix(metrics: dict[str, float]) -> dict[str, str]:

@@ -27,11 +27,12 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 from transformers.masking_utils import create_causal_mask
 
+from ..configuration_dmtp import MTP_HIDDEN_INPUTS
 from .layouts import MTPLayout, build_mtp_layer_config
 
 __all__ = ["HIDDEN_INPUTS", "NativeMTPHead"]
 
-HIDDEN_INPUTS = ("post_norm", "pre_norm")
+HIDDEN_INPUTS = MTP_HIDDEN_INPUTS  # one definition, in the draft config
 HiddenInput = Literal["post_norm", "pre_norm"]
 
 
@@ -46,7 +47,7 @@ class _SharedTargetModules:
 
 
 class NativeMTPHead(nn.Module):
-    """One native MTP layer of a target model, with its private KV cache and the operations of a decoding round.
+    """One native MTP layer of a target model, stateless: pairs in, ``g`` out (the round's state is the caller's).
 
     Build it with `load_native_mtp` (which fills the weights from the target's checkpoint); the constructor only
     creates the modules from the target's own classes.
@@ -61,7 +62,7 @@ class NativeMTPHead(nn.Module):
 
     The head is stateless: `forward` maps pairs to ``g`` (with an optional KV cache the caller owns) and `logits`
     maps ``g`` to the vocabulary. The decoding-round state (its private KV cache, the ``g`` that predicts the next
-    T1) lives in the generation layer (``dmtp_hf.assistant.drafter_state.MTPCache`` / ``MTPSlots``).
+    T1) lives in the generation layer (``dmtp_hf.assistant.drafter_state.MTPState``).
     """
 
     def __init__(self, target: PreTrainedModel, layout: MTPLayout, *, hidden_input: HiddenInput = "post_norm"):
@@ -130,9 +131,10 @@ class NativeMTPHead(nn.Module):
             next_token_ids: ``[B, n]`` tokens ``x_{t+1}``.
             target_hidden: ``[B, n, H]`` target hidden states ``h_t`` (post- or pre-norm, see ``hidden_input``).
             position_ids: ``[B, n]`` positions of the pairs (the positions ``t`` of ``h_t``).
-            cache: KV cache of the MTP layer, updated in place; None for a cache-free pass.
+            cache: KV cache of the MTP layer, updated in place; None for a cache-free pass. Any object with the
+                ``Cache.update`` call works (the drafter state's slots); its masks are then the caller's.
             attention_mask: ``[B, past + n]`` 2D padding mask (1 = real pair), or None when nothing is padded; a 4D
-                mask is used as given (the fixed-slot fast path builds its own over the whole slot buffer).
+                mask is used as given, and so is any mask for a cache that is not a Transformers ``Cache``.
 
         Returns:
             ``[B, n, H]`` MTP hidden states ``g_t``; ``logits(g_t)`` predicts ``x_{t+2}``.
@@ -144,8 +146,8 @@ class NativeMTPHead(nn.Module):
             parts.reverse()
         hidden_states = self.projection(torch.cat(parts, dim=-1))  # [B, n, 2H] -> [B, n, H]
 
-        if attention_mask is not None and attention_mask.ndim == 4:
-            mask = attention_mask  # already built for the attention kernel (fixed-slot fast path)
+        if (attention_mask is not None and attention_mask.ndim == 4) or not isinstance(cache, (Cache, type(None))):
+            mask = attention_mask  # built by the caller for its own storage (None: every key visible)
         else:
             # Only the cache length (query offset) and the padding mask shape it; positions only drive RoPE.
             mask = create_causal_mask(

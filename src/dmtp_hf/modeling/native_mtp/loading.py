@@ -242,16 +242,46 @@ def load_native_mtp(
         NoNativeMTPError: the config declares 0 MTP layers, or the checkpoint holds no MTP tensors.
         MissingMTPTensorsError: some MTP tensors are absent (the message lists them).
         ValueError: tensor shapes or names that do not fit the head, or unsupported/undescribed FP8 weights.
+        FileNotFoundError: no checkpoint to read (the target records no path, or the path holds no safetensors).
     """
     checkpoint = checkpoint or getattr(target.config, "_name_or_path", None) or getattr(target, "name_or_path", None)
     if not checkpoint:
-        raise ValueError("The target does not record where it was loaded from: pass `checkpoint=`")
+        raise FileNotFoundError("The target does not record where it was loaded from: pass `checkpoint=`")
     checkpoint_config = _read_checkpoint_config(checkpoint)
     checkpoint_text_config = (checkpoint_config or {}).get("text_config")
     text_config = target.config.get_text_config(decoder=True)
     if layout is None:
         layout = resolve_mtp_layout(target.config, text_config, checkpoint_config, checkpoint_text_config)
+    configs = (target.config, text_config, checkpoint_config, checkpoint_text_config)
+    tensors = _read_head_tensors(checkpoint, layout, configs, fp8_block_size)
 
+    # Built on the meta device (a real MoE MTP layer is billions of parameters: never materialize it twice). The
+    # device context is thread-local, unlike accelerate's init_empty_weights, which patches nn.Module process-wide.
+    with torch.device("meta"):
+        head = NativeMTPHead(target, layout, hidden_input=hidden_input)
+    state_dict = _head_state_dict(head, tensors, layout, checkpoint)
+    dtype = dtype or target.get_input_embeddings().weight.dtype
+    device = device or target.get_output_embeddings().weight.device
+    keep_fp32 = _keep_in_fp32_pattern(target)
+    for name, tensor in state_dict.items():
+        tensor_dtype = dtype
+        if not tensor.is_floating_point():
+            tensor_dtype = tensor.dtype
+        elif keep_fp32 is not None and keep_fp32.search(name):
+            tensor_dtype = torch.float32
+        state_dict[name] = tensor.to(device=device, dtype=tensor_dtype)
+    head.load_state_dict(state_dict, strict=True, assign=True)
+    unloaded = [name for name, tensor in [*head.named_parameters(), *head.named_buffers()] if tensor.is_meta]
+    if unloaded:
+        raise ValueError(f"The {layout.name} MTP head has tensors no checkpoint entry fills: {unloaded}")
+    head.to(device)
+    head.requires_grad_(False)
+    return head.eval()
+
+
+def _read_head_tensors(checkpoint, layout: MTPLayout, configs: tuple, fp8_block_size) -> dict[str, torch.Tensor]:
+    """The head's checkpoint tensors (dequantized when FP8), after checking the configs declare a head at all."""
+    _, text_config, checkpoint_config, checkpoint_text_config = configs
     num_layers = layout.num_mtp_layers(text_config)
     for raw in (checkpoint_text_config, checkpoint_config):
         if num_layers is None and raw is not None:
@@ -270,19 +300,19 @@ def load_native_mtp(
             f"{checkpoint!s}."
         )
     if fp8_block_size is None:
-        for config in (target.config, text_config, checkpoint_config, checkpoint_text_config):
+        for config in configs:
             quantization_config = (
                 config.get("quantization_config")
                 if isinstance(config, Mapping)
                 else getattr(config, "quantization_config", None)
             )
             fp8_block_size = fp8_block_size or block_size_of(quantization_config)
-    tensors = dequantize_fp8_state_dict(tensors, fp8_block_size)
+    return dequantize_fp8_state_dict(tensors, fp8_block_size)
 
-    # Built on the meta device (a real MoE MTP layer is billions of parameters: never materialize it twice). The
-    # device context is thread-local, unlike accelerate's init_empty_weights, which patches nn.Module process-wide.
-    with torch.device("meta"):
-        head = NativeMTPHead(target, layout, hidden_input=hidden_input)
+
+def _head_state_dict(head: NativeMTPHead, tensors, layout: MTPLayout, checkpoint) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors renamed into ``head``'s state dict; every tensor accounted for, every shape right."""
+    prefix = head.checkpoint_prefix
     expected = {name: tensor.shape for name, tensor in head.state_dict().items()}
     state_dict, missing, ignored = checkpoint_to_head_state_dict(tensors, layout, expected)
     if missing:
@@ -303,24 +333,7 @@ def load_native_mtp(
         raise ValueError(f"MTP tensor shapes do not match the {layout.name} head: {mismatched}")
     if ignored:
         logger.info("Ignored MTP checkpoint tensors (shared copies or unused layers): %s", ignored)
-
-    dtype = dtype or target.get_input_embeddings().weight.dtype
-    device = device or target.get_output_embeddings().weight.device
-    keep_fp32 = _keep_in_fp32_pattern(target)
-    for name, tensor in state_dict.items():
-        tensor_dtype = dtype
-        if not tensor.is_floating_point():
-            tensor_dtype = tensor.dtype
-        elif keep_fp32 is not None and keep_fp32.search(name):
-            tensor_dtype = torch.float32
-        state_dict[name] = tensor.to(device=device, dtype=tensor_dtype)
-    head.load_state_dict(state_dict, strict=True, assign=True)
-    unloaded = [name for name, tensor in [*head.named_parameters(), *head.named_buffers()] if tensor.is_meta]
-    if unloaded:
-        raise ValueError(f"The {layout.name} MTP head has tensors no checkpoint entry fills: {unloaded}")
-    head.to(device)
-    head.requires_grad_(False)
-    return head.eval()
+    return state_dict
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,121 @@
+"""The trainer's checkpoints: atomic ``step-N`` directories (accelerate state + plain exported models), rotation,
+resume, and the final export. A mixin of `Trainer` (it reads the trainer's accelerator, objective and counters)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from ..modeling.io import atomic_directory
+from .models import save_models
+from .mtp_objective import JointObjective
+
+__all__ = ["CheckpointMixin"]
+
+
+class CheckpointMixin:
+    """``save_checkpoint`` / ``load_checkpoint`` / ``export`` for `Trainer`.
+
+    Our own naming and rotation, not accelerate's ``ProjectConfiguration(automatic_checkpoint_naming)``: that writes
+    the state in place (not atomically) and cannot keep the exported models and the trainer state in one unit.
+    """
+
+    @property
+    def checkpoint_root(self) -> Path:
+        """``output_dir/checkpoints``: one ``step-XXXXXXXX`` directory per checkpoint."""
+        return Path(self.config.output_dir) / "checkpoints"
+
+    def save_checkpoint(self) -> Path:
+        """Write ``checkpoints/step-N/{state/, model/, mtp_head/, trainer_state.json}`` atomically (all processes
+        call this). ``state/`` is accelerate's (model, optimizer, scheduler, RNG); ``model/`` a plain
+        `DMTPDraftModel` checkpoint (LoRA merged); ``mtp_head/`` the trained MTP head, when there is one."""
+        acc = self.accelerator
+        final = self.checkpoint_root / f"step-{self.step:08d}"
+        partial = self.checkpoint_root / f".step-{self.step:08d}.partial"
+        if acc.is_main_process:
+            shutil.rmtree(partial, ignore_errors=True)
+        acc.wait_for_everyone()
+        acc.save_state(str(partial))
+        # Every process writes its own RNG state into `partial` and save_state does not wait for the others: moving
+        # the folder before they are done made a slower process fail to write (a 2-process CPU run hit it).
+        acc.wait_for_everyone()
+        state_dict = acc.get_state_dict(self.objective)  # gathers sharded (FSDP/DeepSpeed) weights
+        if acc.is_main_process:
+            with atomic_directory(final) as tmp:
+                os.replace(partial, tmp / "state")
+                self._save_models(tmp / "model", tmp / "mtp_head", state_dict)
+                (tmp / "trainer_state.json").write_text(json.dumps(self._trainer_state(), indent=2) + "\n")
+            self._prune_checkpoints()
+        acc.wait_for_everyone()
+        return final
+
+    def _trainer_state(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "total_steps": self.total_steps,
+            "train_seconds": self.train_seconds,
+            "last_eval": self.last_eval,
+            "config": self.config.to_dict(),
+        }
+
+    def _save_models(self, draft_dir: Path | None, head_dir: Path | None, state_dict: dict | None) -> None:
+        """The draft (when one is trained) to ``draft_dir`` and the MTP head (when trained) to ``head_dir``."""
+        objective = self.unwrapped_objective
+        joint = isinstance(objective, JointObjective)
+        draft = None
+        if draft_dir is not None and self.config.train_mtp_head != "only":
+            draft = (objective.draft_objective if joint else objective).model
+        weights = None
+        if draft is not None and state_dict is not None:
+            prefix = "draft_objective.model." if joint else "model."  # the gathered state dict (FSDP/DeepSpeed)
+            weights = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
+        head = self.trained_head if head_dir is not None else None
+        save_models(draft, head, self.target, draft_dir=draft_dir, head_dir=head_dir, step=self.step,
+                    draft_state_dict=weights)  # fmt: skip
+
+    def export(self, directory: str | os.PathLike, head_directory: str | os.PathLike | None = None) -> None:
+        """Write what was trained, each atomically with a ``training.json``: the draft as a plain `DMTPDraftModel`
+        checkpoint (LoRA merged) to ``directory``; the MTP head, when trained, to ``head_directory`` (default:
+        ``<directory>_mtp_head``) as a head checkpoint ``load_native_mtp(target, checkpoint=...)`` reads."""
+        state_dict = self.accelerator.get_state_dict(self.objective)
+        if self.accelerator.is_main_process:
+            record = json.dumps(self.training_record(), indent=2) + "\n"
+            if self.config.train_mtp_head != "only":
+                with atomic_directory(directory) as tmp:
+                    self._save_models(tmp, None, state_dict)
+                    (tmp / "training.json").write_text(record)
+            if self.trained_head is not None:
+                with atomic_directory(head_directory or f"{directory}_mtp_head") as tmp:
+                    self._save_models(None, tmp, state_dict)
+                    (tmp / "training.json").write_text(record)
+        self.accelerator.wait_for_everyone()
+
+    def _prune_checkpoints(self) -> None:
+        limit = self.config.save_total_limit
+        if not limit:
+            return
+        for old in sorted(self.checkpoint_root.glob("step-*"))[:-limit]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def _find_resume_checkpoint(self) -> Path | None:
+        source = self.config.resume_from
+        if not source:
+            return None
+        if source != "auto":
+            return Path(source)
+        found = sorted(self.checkpoint_root.glob("step-*"))
+        return found[-1] if found else None
+
+    def load_checkpoint(self, directory: str | os.PathLike) -> None:
+        """Restore weights, optimizer, scheduler, RNG and step from a checkpoint written by `save_checkpoint`."""
+        directory = Path(directory)
+        state = json.loads((directory / "trainer_state.json").read_text())
+        self.accelerator.load_state(str(directory / "state"))
+        self.step = int(state["step"])
+        self.train_seconds = float(state.get("train_seconds", 0.0))
+        self.last_eval = state.get("last_eval")
+        if self.accelerator.is_main_process:
+            print(f"resumed from {directory} at step {self.step}")

@@ -1,0 +1,127 @@
+"""What the trainer trains and saves: the draft and the MTP head, built, LoRA-wrapped, merged and written once.
+
+- `build_draft`: a draft from scratch (sized from the target) or from a DFlash/DMTP checkpoint (``init_from``); a
+  DFlash checkpoint loaded as ``dual`` + ``residual`` starts exactly as "DFlash conditioned on T1" (zero fusion).
+- `build_mtp_head`: the target's native head (frozen, or trainable), a tuned one (``mtp_init_from``) or a new
+  retrofitted one.
+- `merged_copy` and `save_models`: plain checkpoints (LoRA merged into a copy) for periodic checkpoints and exports.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..modeling import DMTPConfig, DMTPDraftModel, load_native_mtp
+from ..modeling.native_mtp import NativeMTPHead, new_mtp_head
+from ..modeling.native_mtp.export import save_mtp_head
+from ..modeling.references import deepcopy_sharing
+from .config import TrainConfig
+from .features import freeze
+
+__all__ = ["build_draft", "build_mtp_head", "merged_copy", "save_models", "wrap_lora"]
+
+
+def build_draft(config: TrainConfig, target: nn.Module, native_mtp: nn.Module | None = None) -> DMTPDraftModel:
+    """The draft to train, bound to ``target`` (and ``native_mtp``): loaded from ``init_from`` or built from scratch.
+
+    From scratch, the backbone copies the target's width, heads and head size (DFlash convention); everything can be
+    overridden in ``draft_config`` (``mask_token_id`` is required: the target embedding row used for MASK slots).
+    """
+    layout = {"anchor_layout": config.anchor_layout, "fusion": config.fusion}
+    if config.init_from:
+        draft = DMTPDraftModel.from_pretrained(config.init_from, **layout, **config.draft_config)
+        return draft.bind(target, native_mtp=native_mtp)
+    text = target.config.get_text_config()
+    rope = dict(getattr(text, "rope_parameters", None) or {})
+    kwargs: dict[str, Any] = {
+        "vocab_size": text.vocab_size,
+        "hidden_size": text.hidden_size,
+        "intermediate_size": text.intermediate_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": text.num_attention_heads,
+        "num_key_value_heads": text.num_key_value_heads,
+        "head_dim": getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
+        "rms_norm_eps": text.rms_norm_eps,
+        "max_position_embeddings": text.max_position_embeddings,
+        "rope_parameters": {"rope_type": "default", "rope_theta": float(rope.get("rope_theta", 1e6))},
+        "num_target_layers": text.num_hidden_layers,
+        "mtp_hidden_size": text.hidden_size,
+        "mtp_hidden_input": config.mtp_hidden_input,
+        **layout,
+    }
+    if config.mtp_retrofit:  # provenance: the draft says which head it needs when it is missing
+        kwargs["dmtp_config"] = {"mtp_source": "retrofit"}
+    kwargs.update(config.draft_config)
+    if kwargs.get("mask_token_id") is None:
+        raise ValueError("A draft built from scratch needs draft_config.mask_token_id (the MASK embedding row).")
+    return DMTPDraftModel(DMTPConfig(**kwargs)).bind(target, native_mtp=native_mtp)
+
+
+def build_mtp_head(config: TrainConfig, target: nn.Module) -> NativeMTPHead | None:
+    """The native MTP head: frozen (draft training), trainable (``train_mtp_head`` only/joint), or None (DFlash)."""
+    if config.train_mtp_head == "frozen" and config.anchor_layout == "dflash":
+        return None
+    trained = config.train_mtp_head != "frozen"
+    dtype = torch.float32 if trained else None  # trained weights keep fp32 masters (autocast computes in bf16)
+    if config.mtp_retrofit and not config.mtp_init_from:
+        head = new_mtp_head(target, hidden_input=config.mtp_hidden_input, dtype=dtype)
+    else:
+        head = load_native_mtp(target, checkpoint=config.mtp_init_from, hidden_input=config.mtp_hidden_input,
+                               dtype=dtype)  # fmt: skip
+    return head.requires_grad_(True).train() if trained else freeze(head)
+
+
+def wrap_lora(config: TrainConfig, model: nn.Module, modules_to_save: list[str] | None) -> nn.Module:
+    """``model`` with PEFT LoRA adapters on ``lora_target_modules`` (``modules_to_save`` stay fully trainable)."""
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(
+        r=config.lora_r,
+        lora_alpha=config.lora_alpha,
+        lora_dropout=config.lora_dropout,
+        target_modules=list(config.lora_target_modules),
+        modules_to_save=modules_to_save,
+    )
+    return get_peft_model(model, lora)
+
+
+def merged_copy(model: nn.Module) -> nn.Module:
+    """A plain model from a (possibly PEFT/LoRA-wrapped) draft or head; LoRA is merged into a *copy*.
+
+    The original keeps training unchanged (merging in place and unmerging would not round-trip bit-exactly). The copy
+    shares the target: drafts and heads reference it and copies keep referencing it (``references.py``).
+    """
+    if not hasattr(model, "merge_and_unload"):
+        return model
+    return deepcopy_sharing(model).merge_and_unload()
+
+
+def save_models(
+    draft: nn.Module | None,
+    head: nn.Module | None,
+    target: nn.Module,
+    *,
+    draft_dir: str | os.PathLike | None,
+    head_dir: str | os.PathLike | None,
+    step: int,
+    draft_state_dict: dict[str, torch.Tensor] | None = None,
+) -> None:
+    """Write the trained draft (a plain `DMTPDraftModel` checkpoint) and the trained MTP head (the target's own names,
+    ``load_native_mtp(target, checkpoint=head_dir)``), LoRA merged. ``draft_state_dict``: the draft's weights as
+    gathered from sharded training (FSDP/DeepSpeed); ``None`` = the module's own."""
+    if draft is not None:
+        if hasattr(draft, "merge_and_unload") or draft_state_dict is None:
+            merged_copy(draft).save_pretrained(draft_dir)
+        else:
+            draft.save_pretrained(draft_dir, state_dict=draft_state_dict)
+    if head is not None:
+        head_dir = Path(head_dir)
+        save_mtp_head(merged_copy(head), head_dir / "head", target, training_steps=step)
+        for item in (head_dir / "head").iterdir():  # the head's files directly in head_dir
+            os.replace(item, head_dir / item.name)
+        (head_dir / "head").rmdir()

@@ -1,0 +1,54 @@
+"""Which samples each process reads at each optimizer step: a pure function of ``(seed, step)``.
+
+Anchors are also drawn per *global* batch from ``(seed, step)`` (`objective.anchor_scores`). Hence exact resume (no
+data-loader state to restore) and a 2-process run equal to a 1-process run with the same global batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["StepSchedule"]
+
+
+class StepSchedule:
+    """Deterministic data order: epoch ``e`` is a permutation seeded by ``seed + e``; step ``s`` takes the next
+    ``global_batch_size`` samples (last partial batch dropped). Micro-batch ``m`` of process ``r`` reads global rows
+    ``[(m * P + r) * b, ... + b)``, so any split of the same global batch reads the same samples in the same rows."""
+
+    def __init__(
+        self,
+        num_samples: int,
+        micro_batch_size: int,
+        accumulation_steps: int,
+        num_processes: int = 1,
+        process_index: int = 0,
+        seed: int = 0,
+    ):
+        self.num_samples = num_samples
+        self.micro_batch_size = micro_batch_size
+        self.accumulation_steps = accumulation_steps
+        self.num_processes = num_processes
+        self.process_index = process_index
+        self.seed = seed
+        self.global_batch_size = micro_batch_size * accumulation_steps * num_processes
+        self.steps_per_epoch = num_samples // self.global_batch_size
+        if self.steps_per_epoch == 0:
+            raise ValueError(
+                f"The training set has {num_samples} samples, fewer than one global batch ({self.global_batch_size} "
+                f"= micro_batch_size x gradient_accumulation_steps x processes)."
+            )
+        self._epoch, self._order = -1, None
+
+    def micro_batches(self, step: int) -> list[tuple[list[int], int]]:
+        """This process's micro-batches at ``step``: ``(sample indices, first global row)`` each."""
+        epoch, k = divmod(step, self.steps_per_epoch)
+        if epoch != self._epoch:
+            generator = torch.Generator().manual_seed(self.seed + epoch)
+            self._epoch, self._order = epoch, torch.randperm(self.num_samples, generator=generator).tolist()
+        batch = self._order[k * self.global_batch_size : (k + 1) * self.global_batch_size]
+        out = []
+        for m in range(self.accumulation_steps):
+            row = (m * self.num_processes + self.process_index) * self.micro_batch_size
+            out.append((batch[row : row + self.micro_batch_size], row))
+        return out
