@@ -10,6 +10,13 @@ TARGET=${1:-outputs/smollm2/target}
 PROMPTS=${2:-outputs/smollm2/prompts}
 OUT=${3:-outputs/smollm2/regenerated}
 mkdir -p "$OUT"
+# Start from what earlier sessions committed (snapshot.sh): a file here is resumed, never overwritten.
+DATA=scripts/reproduce/smollm2/data
+for set in math code chat magpie; do
+  if [ ! -s "$OUT/train_$set.jsonl" ] && [ -f "$DATA/regenerated_$set.jsonl.gz" ]; then
+    zcat "$DATA/regenerated_$set.jsonl.gz" > "$OUT/train_$set.jsonl"
+  fi
+done
 # Records per set (environment variables override): about 6,500 in all, close to the evaluation mix of math,
 # code and chat/instructions.
 declare -A LIMIT=([math]=${MATH_LIMIT:-2000} [code]=${CODE_LIMIT:-2000} [chat]=${CHAT_LIMIT:-1000}

@@ -18,6 +18,10 @@ $DMTP setup-target smollm2 $OUT/target
 [ -f outputs/corpus/train_code_chat.jsonl ] || $PY scripts/reproduce/build_corpus.py --out outputs/corpus
 [ -f $OUT/prompts/train_math.jsonl ] || $PY scripts/reproduce/smollm2/build_prompts.py --corpus outputs/corpus \
     --out $OUT/prompts --code 2000 --chat 1000 --math 2000
+# the Magpie requests: from the committed snapshot when present (40 CPU minutes to sample), else sampled
+if [ ! -f $OUT/prompts/train_magpie.jsonl ] && [ -f scripts/reproduce/smollm2/data/prompts_magpie.jsonl.gz ]; then
+  zcat scripts/reproduce/smollm2/data/prompts_magpie.jsonl.gz > $OUT/prompts/train_magpie.jsonl
+fi
 $PY scripts/reproduce/smollm2/magpie.py --target $OUT/target --out $OUT/prompts/train_magpie.jsonl --count 1500
 bash scripts/reproduce/smollm2/regenerate.sh $OUT/target $OUT/prompts $OUT/regenerated
 
