@@ -82,3 +82,13 @@ def draft_for(target, **overrides) -> DMTPDraftModel:
             for p in draft.fusion.parameters():
                 p.add_(torch.randn_like(p) * 0.05)
     return draft.bind(target)
+
+
+@pytest.fixture(scope="module")
+def vocab6(tmp_path_factory):
+    """A DeepSeek-V3 tiny target (with its MTP head) over a 6-token vocabulary, peaked but not degenerate."""
+    target = load_tiny_target(make_tiny_target("deepseek_v3", tmp_path_factory.mktemp("v6"), vocab_size=6))
+    with torch.no_grad():
+        target.lm_head.weight.mul_(6.0)
+    target.generation_config.eos_token_id = None
+    return target

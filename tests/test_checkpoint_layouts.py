@@ -75,7 +75,7 @@ def test_config_without_num_target_layers_takes_it_from_the_bound_target(tmp_pat
         DMTPDraftModel.from_pretrained(tmp_path, anchor_layout="dflash").bind(tiny_qwen3_target(num_layers=2))
 
 
-def test_dflash2_is_refused_naming_what_is_missing(tmp_path):
+def test_incomplete_dflash2_config_is_refused_naming_what_is_missing(tmp_path):
     tensors = write_dflash_checkpoint(tmp_path, num_layers=2)
     tensors["candidate_selector.hidden_projection.weight"] = torch.zeros(4, HIDDEN)
     tensors["layers.0.attention_conv.base_kernel"] = torch.zeros(2, HIDDEN)
@@ -83,7 +83,7 @@ def test_dflash2_is_refused_naming_what_is_missing(tmp_path):
     rewrite_config(tmp_path, architectures=["DFlash2DraftModel"],
                    dflash_config={"mask_token_id": VOCAB - 1, "target_layer_ids": [0, 2], "selector_top_k": 16,
                                   "conv_kernel_size": 2})  # fmt: skip
-    with pytest.raises(NotImplementedError, match="DFlash2.*candidate selector.*selector_top_k"):
+    with pytest.raises(ValueError, match="DFlash2 needs .*conv_group_size=None.*selector_rank=None"):
         DMTPDraftModel.from_pretrained(tmp_path)
 
 

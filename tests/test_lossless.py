@@ -236,16 +236,6 @@ def test_fuzz_extended(fuzz_models, seed):
 # Distributions
 
 
-@pytest.fixture(scope="module")
-def vocab6(tmp_path_factory):
-    """A DeepSeek-V3 tiny target (with its MTP head) over a 6-token vocabulary, peaked but not degenerate."""
-    target = load_tiny_target(make_tiny_target("deepseek_v3", tmp_path_factory.mktemp("v6"), vocab_size=6))
-    with torch.no_grad():
-        target.lm_head.weight.mul_(6.0)
-    target.generation_config.eos_token_id = None
-    return target
-
-
 def exact_distribution(target, prompt, steps, processors):
     """P(next `steps` tokens) by enumeration, with the processors applied as plain generate applies them."""
     probs = {(): 1.0}

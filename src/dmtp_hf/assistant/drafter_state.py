@@ -320,9 +320,11 @@ class DFlashContext:
         """Queue the features of newly committed positions (fed to the draft with the next block)."""
         self.pending.append(step if self.fixed_shapes else step.committed())
 
-    def block_logits(self, block_embeds: torch.Tensor, anchor_positions: torch.Tensor) -> torch.Tensor:
-        """One draft forward over the block ``[B, Q, H]`` after writing the queued context; the draft logits of the
-        predicted slots ``[B, n, V]``."""
+    def block_outputs(
+        self, block_embeds: torch.Tensor, anchor_positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft forward over the block ``[B, Q, H]`` after writing the queued context: the final-normed hidden
+        ``[B, n, H]`` and the draft logits ``[B, n, V]`` of the predicted slots."""
         new, self.pending = TargetStep.concat(self.pending), []
         span = self.kv.begin(new.num_valid, new.width)
         args = (block_embeds, anchor_positions, new.features, new.positions, new.valid())
@@ -331,7 +333,8 @@ class DFlashContext:
             hidden = self._block_forward(*args)
         else:
             hidden = self._forward(*args, key=span)
-        return self.draft.compute_logits(hidden[:, self.draft.config.first_predicted_slot :])
+        hidden = hidden[:, self.draft.config.first_predicted_slot :]
+        return hidden, self.draft.compute_logits(hidden)
 
     def _block_forward(self, block_embeds, anchor_positions, features, positions, valid) -> torch.Tensor:
         """Write the context into the slots, then the block over ``[context slots | block]`` (graph-safe)."""

@@ -11,6 +11,7 @@ shapes it runs at (CUDA-graph replays on CUDA with ``cuda_graphs``), never the p
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,8 @@ from .processing import RowProcessors, process_flat, reads_input_ids
 from .stats import SpecStats
 from .target_step import TargetStep
 from .verification import select_tokens
+
+Pick = Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # (slot, scores [B, V]) -> token, drawn from
 
 
 def _stage(stats: SpecStats | None, name: str):
@@ -77,19 +80,22 @@ class TokenSelector:
             for row, length, generated in zip(self.batch.host.rows, lengths, self.batch.host.generated, strict=True)
         ]
 
-    def __call__(self, logits: torch.Tensor, chosen: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self, logits: torch.Tensor, chosen: torch.Tensor | None = None, pick: Pick | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``logits`` ``[B, k, V]`` of k consecutive positions after the committed tokens and the round's already
-        ``chosen`` ``[B, j]`` -> tokens ``[B, k]``, processed scores ``[B, k, V]``; slot i also sees the i tokens
-        chosen before it in this call."""
-        if not self.logits_processor:
-            scores = logits.float()
-        elif not self.positionwise:
-            scores = process_flat(logits, self.logits_processor)
-        else:
-            return self._positionwise(logits, chosen)
-        return select_tokens(scores, self.do_sample), scores
+        ``chosen`` ``[B, j]`` -> tokens ``[B, k]`` and the scores ``[B, k, V]`` each was drawn from (softmax of them
+        is the draft ``q``); slot i also sees the i tokens chosen before it in this call. ``pick(i, scores)``
+        replaces the argmax / sample of slot i's processed scores (DFlash2's candidate walk)."""
+        if self.logits_processor and self.positionwise:
+            return self._positionwise(logits, chosen, pick)
+        scores = process_flat(logits, self.logits_processor) if self.logits_processor else logits.float()
+        if pick is None:
+            return select_tokens(scores, self.do_sample), scores
+        picked = [pick(i, scores[:, i]) for i in range(scores.shape[1])]
+        return torch.stack([t for t, _ in picked], dim=1), torch.stack([q for _, q in picked], dim=1)
 
-    def _positionwise(self, logits: torch.Tensor, chosen: torch.Tensor | None):
+    def _positionwise(self, logits: torch.Tensor, chosen: torch.Tensor | None, pick: Pick | None):
         tokens, scores = [], []
         before = [chosen] if chosen is not None else []
         for i in range(logits.shape[1]):
@@ -99,9 +105,35 @@ class TokenSelector:
             else:
                 seen = self.prefix if extra is None else torch.cat([self.prefix, extra], dim=1)
                 step = self.logits_processor(seen, logits[:, i].float())
-            tokens.append(select_tokens(step, self.do_sample))
-            scores.append(step)
+            token, drawn_from = pick(i, step) if pick is not None else (select_tokens(step, self.do_sample), step)
+            tokens.append(token)
+            scores.append(drawn_from)
         return torch.stack(tokens, dim=1), torch.stack(scores, dim=1)
+
+
+class CandidateWalk:
+    """DFlash2's walk as a `TokenSelector` pick: slot i's processed scores are its unary term, so logits processors
+    decide what may be a candidate (a banned token is never one); the walk starts after ``previous`` ``[B]``."""
+
+    def __init__(self, draft: DMTPDraftModel, hidden: torch.Tensor, previous: torch.Tensor, sample: bool) -> None:
+        self.selector = draft.candidate_selector
+        self.projected = self.selector.hidden_projection(hidden)  # [B, k, r]
+        self.previous, self.sample = previous, sample
+
+    def __call__(self, slot: int, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The token of ``slot`` from its processed ``scores`` ``[B, V]``, and the walk's scores over V."""
+        token, walk = self.selector.step(scores, self.projected[:, slot], self.previous, self.sample)
+        self.previous = token
+        return token, walk
+
+
+def block_candidates(draft, hidden, logits, previous, select: TokenSelector, chosen=None, limit: int | None = None):
+    """Candidates of a DFlash block's predicted slots (up to ``limit``): each slot's processed argmax or sample,
+    or, with a DFlash2 backbone, the candidate walk from ``previous`` (the token before the first slot)."""
+    hidden, logits = hidden[:, :limit], logits[:, :limit]
+    if draft.candidate_selector is None:
+        return select(logits, chosen)
+    return select(logits, chosen, CandidateWalk(draft, hidden, previous, select.do_sample))
 
 
 class Drafter:
@@ -261,8 +293,8 @@ class DFlashDrafter(_StatefulDrafter):
     def propose(self, anchor_ids, anchor_positions, select, stats, max_candidates=None) -> Proposal:
         """``[A, MASK x K]`` -> up to K candidates."""
         with stats.stage("dflash"):
-            logits = self.context.block_logits(self.draft.block_embeddings(anchor_ids), anchor_positions)
-            tokens, scores = select(logits[:, :max_candidates])
+            hidden, logits = self.context.block_outputs(self.draft.block_embeddings(anchor_ids), anchor_positions)
+            tokens, scores = block_candidates(self.draft, hidden, logits, anchor_ids, select, limit=max_candidates)
         return Proposal(tokens, scores)
 
     def advance(self, step: TargetStep, stats: SpecStats | None = None) -> None:
@@ -354,8 +386,9 @@ class DMTPDrafter(_StatefulDrafter):
                 return Proposal(t1, t1_scores)
             block = self.draft.block_embeddings(anchor_ids, t1[:, 0], mtp_hidden)  # [A, T1 + fusion, MASK x 6]
         with stats.stage("dflash"):
-            logits = self.context.block_logits(block, anchor_positions)  # T2..T7
-            rest, rest_scores = select(logits[:, : None if max_candidates is None else max_candidates - 1], t1)
+            hidden, logits = self.context.block_outputs(block, anchor_positions)  # T2..T7
+            limit = None if max_candidates is None else max_candidates - 1
+            rest, rest_scores = block_candidates(self.draft, hidden, logits, t1[:, 0], select, t1, limit)
         return Proposal(torch.cat([t1, rest], dim=1), torch.cat([t1_scores, rest_scores], dim=1))
 
     def advance(self, step: TargetStep, stats: SpecStats | None = None) -> None:

@@ -10,7 +10,9 @@ that predicted it. The config therefore is a Qwen3 config with two nested sectio
   ``mtp_hidden_input`` and provenance (``target_model_type``, ``mtp_source``).
 
 Unmodified DFlash ``config.json`` files (``model_type: qwen3``, ``architectures: ["DFlashDraftModel"]``,
-``block_size`` at the top level or inside ``dflash_config``) load through :meth:`DMTPConfig.from_dict`.
+``block_size`` at the top level or inside ``dflash_config``) load through :meth:`DMTPConfig.from_dict`, and so do
+z-lab DFlash2 ones (``architectures: ["DFlash2DraftModel"]``): the same config plus the ``dflash_config`` keys of
+the grouped dynamic convolutions and the candidate selector (``backbone == "dflash2"``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,10 @@ DEFAULT_FUSION = "residual"
 DEFAULT_NUM_CANDIDATES = 7
 MTP_HIDDEN_INPUTS = ("post_norm", "pre_norm")
 
-_DFLASH_ARCHITECTURES = ("DFlashDraftModel",)
+BACKBONES = ("dflash", "dflash2")
+_DFLASH_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
+# DFlash2's `dflash_config` keys and the defaults of a DFlash2 built here (z-lab's and SpecForge's published ones).
+DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
 # Generic PreTrainedConfig keys that DFlash checkpoints do not carry.
 _HF_GENERIC_KEYS = (
     "_name_or_path",
@@ -63,13 +68,6 @@ def require_local_directory(path: str | os.PathLike) -> None:
     looks_local = isinstance(path, os.PathLike) or text.startswith((".", "/", "~")) or text.count("/") >= 2
     if looks_local and not os.path.isdir(os.path.expanduser(text)):
         raise FileNotFoundError(f"No checkpoint directory at {text!r}.")
-
-
-# Draft architectures that look like DFlash but compute something else: refused with the reason, never half-loaded.
-UNSUPPORTED_ARCHITECTURES = {
-    "DFlash2DraftModel": "DFlash2 adds a candidate selector (candidate_selector.*) and convolution kernels "
-    "(attention_conv / mlp_conv, dflash_config.selector_top_k / conv_kernel_size) this package does not implement.",
-}
 
 
 def is_dflash_config_dict(config_dict: dict[str, Any]) -> bool:
@@ -125,6 +123,7 @@ class DMTPConfig(Qwen3Config):
         fusion_rank: int | None = None,
         mtp_hidden_size: int | None = None,
         mtp_hidden_input: str | None = None,
+        backbone: str | None = None,
         **kwargs,
     ):
         self.dflash_config = copy.deepcopy(self.dflash_config) if self.dflash_config else {}
@@ -166,6 +165,8 @@ class DMTPConfig(Qwen3Config):
         self.dmtp_config.setdefault("fusion_rank", 64)
         self.dmtp_config.setdefault("mtp_hidden_size", self.hidden_size)
         self.dmtp_config.setdefault("mtp_hidden_input", "post_norm")
+        if backbone is not None:
+            self.backbone = backbone
         self.validate_dmtp()
 
     # ----------------------------------------------------------------------------------------------------------
@@ -197,6 +198,20 @@ class DMTPConfig(Qwen3Config):
                 raise ValueError(f"target_layer_ids {ids} out of range for num_target_layers={self.num_target_layers}.")
         if self.mask_token_id is not None and not 0 <= self.mask_token_id:
             raise ValueError(f"mask_token_id must be >= 0, got {self.mask_token_id}.")
+        if self.backbone == "dflash2":
+            self._validate_dflash2()
+
+    def _validate_dflash2(self) -> None:
+        values = {key: self.dflash_config.get(key) for key in DFLASH2_DEFAULTS}
+        bad = [f"{key}={value!r}" for key, value in values.items() if not isinstance(value, int) or value < 1]
+        if bad:
+            raise ValueError(f"DFlash2 needs positive integers for {', '.join(bad)} (dflash_config).")
+        if self.hidden_size % values["conv_group_size"]:
+            raise ValueError(
+                f"conv_group_size={values['conv_group_size']} does not divide hidden_size={self.hidden_size}."
+            )
+        if values["selector_top_k"] > self.vocab_size:
+            raise ValueError(f"selector_top_k={values['selector_top_k']} exceeds vocab_size={self.vocab_size}.")
 
     # ----------------------------------------------------------------------------------------------------------
     # Nested fields as attributes (settable, so `from_pretrained(path, anchor_layout="dflash")` works)
@@ -242,6 +257,24 @@ class DMTPConfig(Qwen3Config):
     del _dmtp_property
 
     @property
+    def backbone(self) -> str:
+        """``"dflash2"`` when the grouped dynamic convolutions and the candidate selector are in (their keys in
+        ``dflash_config``), else ``"dflash"``. Setting ``"dflash2"`` fills missing keys with ``DFLASH2_DEFAULTS``."""
+        return "dflash2" if "conv_kernel_size" in self.dflash_config else "dflash"
+
+    @backbone.setter
+    def backbone(self, value: str) -> None:
+        if value not in BACKBONES:
+            raise ValueError(f"Unknown backbone {value!r}; expected one of {BACKBONES}.")
+        if value == "dflash2":
+            for key, default in DFLASH2_DEFAULTS.items():
+                self.dflash_config.setdefault(key, default)
+        else:
+            for key in DFLASH2_DEFAULTS:
+                self.dflash_config.pop(key, None)
+        self.validate_dmtp()
+
+    @property
     def num_context_features(self) -> int:
         """Number of target layers concatenated into the context features (``fc`` input = this x hidden)."""
         return len(self.target_layer_ids or [])
@@ -269,11 +302,6 @@ class DMTPConfig(Qwen3Config):
     def from_dict(cls, config_dict: dict[str, Any], **kwargs) -> DMTPConfig:
         """Build from a DMTP or an unmodified DFlash ``config.json`` dictionary."""
         config_dict = dict(config_dict)
-        unsupported = [a for a in config_dict.get("architectures") or () if a in UNSUPPORTED_ARCHITECTURES]
-        if unsupported:
-            raise NotImplementedError(
-                f"{unsupported[0]} checkpoints are not supported: {UNSUPPORTED_ARCHITECTURES[unsupported[0]]}"
-            )
         if is_dflash_config_dict(config_dict):
             config_dict["_loaded_from_dflash"] = True
         # What the checkpoint's own fusion was, before any override: a checkpoint saved without fusion weights
@@ -282,6 +310,9 @@ class DMTPConfig(Qwen3Config):
         saved_layout = (config_dict.get("dmtp_config") or {}).get("anchor_layout")
         if config_dict.get("_loaded_from_dflash") or saved == "none" or saved_layout == "dflash":
             config_dict["_checkpoint_without_fusion"] = True
+        # The checkpoint's own backbone, before any override (a DFlash checkpoint may start a DFlash2 draft).
+        config_dict["_checkpoint_backbone"] = "dflash2" if "conv_kernel_size" in (config_dict.get("dflash_config")
+                                                                                   or {}) else "dflash"  # fmt: skip
         config_dict.pop("model_type", None)
         if config_dict.get("_loaded_from_dflash"):
             config_dict.pop("auto_map", None)  # a DFlash repo's remote code is DFlash's, not this draft's
@@ -301,6 +332,11 @@ class DMTPConfig(Qwen3Config):
         return bool(getattr(self, "_checkpoint_without_fusion", False))
 
     @property
+    def checkpoint_without_dflash2(self) -> bool:
+        """True when a DFlash2 draft is loaded from a checkpoint that has no DFlash2 tensors (plain DFlash)."""
+        return self.backbone == "dflash2" and getattr(self, "_checkpoint_backbone", "dflash2") == "dflash"
+
+    @property
     def loaded_from_dflash(self) -> bool:
         """True when this config was read from a DFlash checkpoint (no fusion weights to expect)."""
         return bool(getattr(self, "_loaded_from_dflash", False))
@@ -311,6 +347,8 @@ class DMTPConfig(Qwen3Config):
         for key in (
             "dmtp_config",
             "_loaded_from_dflash",
+            "_checkpoint_without_fusion",
+            "_checkpoint_backbone",
             "transformers_version",
             "auto_map",
             *_HF_GENERIC_KEYS,
@@ -319,7 +357,7 @@ class DMTPConfig(Qwen3Config):
         if out.get("is_causal") is None:
             out.pop("is_causal", None)
         out["model_type"] = "qwen3"
-        out["architectures"] = ["DFlashDraftModel"]
+        out["architectures"] = ["DFlash2DraftModel" if self.backbone == "dflash2" else "DFlashDraftModel"]
         dflash = dict(out.get("dflash_config") or {})
         # block_size at the top level and in dflash_config: some converters read only one of them.
         dflash["block_size"] = self.block_size
@@ -334,7 +372,16 @@ class DMTPConfig(Qwen3Config):
         out = super().to_dict()
         out.pop("_loaded_from_dflash", None)
         out.pop("_checkpoint_without_fusion", None)
+        out.pop("_checkpoint_backbone", None)
         return out
 
 
-__all__ = ["DMTPConfig", "build_target_layer_ids", "is_dflash_config_dict", "ANCHOR_LAYOUTS", "FUSIONS"]
+__all__ = [
+    "ANCHOR_LAYOUTS",
+    "BACKBONES",
+    "DFLASH2_DEFAULTS",
+    "FUSIONS",
+    "DMTPConfig",
+    "build_target_layer_ids",
+    "is_dflash_config_dict",
+]

@@ -38,6 +38,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 from .attention_masks import AttentionLayout, draft_attention_masks, layer_kinds, pad_keys_to_block_mask
 from .binding import bind_draft
 from .configuration_dmtp import DMTPConfig, require_local_directory
+from .dflash2 import CandidateSelector, GroupedDynamicCausalConv
 from .fusion import FirstCandidateFusion
 from .io import check_loading_info, save_dflash_checkpoint
 
@@ -142,7 +143,8 @@ class DMTPAttention(nn.Module):
 
 
 class DMTPDecoderLayer(GradientCheckpointingLayer):
-    """A Qwen3 pre-norm decoder layer whose attention also reads the target context as K/V."""
+    """A Qwen3 pre-norm decoder layer whose attention also reads the target context as K/V. The DFlash2 backbone
+    wraps each sublayer in a grouped dynamic causal convolution along the block (``dflash2.py``)."""
 
     def __init__(self, config: DMTPConfig, layer_idx: int):
         super().__init__()
@@ -150,6 +152,9 @@ class DMTPDecoderLayer(GradientCheckpointingLayer):
         self.mlp = Qwen3MLP(config)
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        dflash2 = config.backbone == "dflash2"
+        self.attention_conv = GroupedDynamicCausalConv(config) if dflash2 else None
+        self.mlp_conv = GroupedDynamicCausalConv(config) if dflash2 else None
 
     def forward(
         self,
@@ -160,19 +165,20 @@ class DMTPDecoderLayer(GradientCheckpointingLayer):
         cache: Cache | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
-        residual = hidden_states
-        hidden_states = self.self_attn(
-            self.input_layernorm(hidden_states),
-            context,
-            position_embeddings,
-            attention_mask,
-            cache=cache,
-            **kwargs,
-        )
-        hidden_states = residual + hidden_states
-        residual = hidden_states
-        hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
-        return residual + hidden_states
+        normed = self.input_layernorm(hidden_states)
+        if self.attention_conv is not None:
+            normed, dynamic = self.attention_conv.prepare(normed)
+        out = self.self_attn(normed, context, position_embeddings, attention_mask, cache=cache, **kwargs)
+        if self.attention_conv is not None:
+            out = self.attention_conv.finish(out, dynamic)
+        hidden_states = hidden_states + out
+        normed = self.post_attention_layernorm(hidden_states)
+        if self.mlp_conv is not None:
+            normed, dynamic = self.mlp_conv.prepare(normed)
+        out = self.mlp(normed)
+        if self.mlp_conv is not None:
+            out = self.mlp_conv.finish(out, dynamic)
+        return hidden_states + out
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -200,7 +206,15 @@ class DMTPPreTrainedModel(PreTrainedModel):
 
     def _init_weights(self, module: nn.Module) -> None:
         special = getattr(module, "_dmtp_init", None)
-        if special == "zeros":  # residual fusions start as an exact no-op
+        if isinstance(module, GroupedDynamicCausalConv):  # DFlash2 starts as DFlash: identity convolutions
+            identity = torch.zeros_like(module.base_kernel)
+            identity[:, 0] = 1.0
+            init.copy_(module.base_kernel, identity)
+            init.zeros_(module.kernel_projection.weight)
+        elif isinstance(module, CandidateSelector):  # and a walk that picks the argmax (zero transitions)
+            init.normal_(module.predecessor_codebook, std=self.config.initializer_range)
+            init.zeros_(module.successor_codebook)
+        elif special == "zeros":  # residual fusions start as an exact no-op
             init.zeros_(module.weight)
         elif special == "pass_embedding":  # 'replace' starts as RMS_e(E(T1)): identity on the embedding half
             hidden = module.weight.shape[0]
@@ -238,10 +252,14 @@ class DMTPDraftModel(DMTPPreTrainedModel):
         self.norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
         self.rotary_emb = DMTPRotaryEmbedding(config=config)
         self.fusion = FirstCandidateFusion(config) if config.anchor_layout != "dflash" else None
-        if self.fusion is not None and config.checkpoint_without_fusion:
-            # A DFlash checkpoint has no fusion: it is initialised as documented, not reported as missing (the one
-            # place fusion keys are excused: Transformers drops them from the loading report).
-            self._keys_to_ignore_on_load_missing = [r"^fusion\."]
+        self.candidate_selector = CandidateSelector(config) if config.backbone == "dflash2" else None
+        # What a checkpoint may lack, initialised as documented instead (the one place this is decided: Transformers
+        # drops these from the loading report): the fusion of a DFlash checkpoint, DFlash2's parts of a DFlash one.
+        excused = [r"^fusion\."] if self.fusion is not None and config.checkpoint_without_fusion else []
+        if config.checkpoint_without_dflash2:
+            excused += [r"^candidate_selector\.", r"\.(attention|mlp)_conv\."]
+        if excused:
+            self._keys_to_ignore_on_load_missing = excused
         self.__dict__.update(_target=None, _native_mtp=None, _native_mtp_missing=None)  # see `bind`
         self.gradient_checkpointing = False
         self.post_init()
@@ -474,7 +492,7 @@ class DMTPDraftModel(DMTPPreTrainedModel):
         return (model, info) if want_info else model
 
     def save_dflash(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
-        """Write the backbone in the DFlash layout (``DFlashDraftModel`` config, no ``fusion.*`` tensors).
+        """Write the backbone in the z-lab layout (``DFlashDraftModel`` or ``DFlash2DraftModel``, no ``fusion.*``).
 
         Refuses unless the fusion is an exact no-op (zero residual), since the DFlash layout cannot hold it.
         """
