@@ -547,3 +547,66 @@ def test_train_config_names_the_key_of_every_bad_setting(tmp_path):
         TrainConfig.from_dict({"target_model": "t", "train_data": "d"})
     with pytest.raises(ValueError, match="joint"):
         TrainConfig.from_dict({**base, "train_mtp_head": "joint", "anchor_layout": "dflash"})
+
+
+DFLASH2 = {"backbone": "dflash2", "dflash_config": {"conv_kernel_size": 2, "conv_group_size": 8, "selector_rank": 8,
+                                                   "selector_top_k": 4}}  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", ["dflash", "dual"])
+def test_dflash2_trains_from_dflash_weights_starting_exactly_at_dflash(tmp_path, target, mtp_head, layout):
+    """DFlash weights loaded as a DFlash2 backbone: identity convolutions and a zero selector, so the first step's
+    draft loss is DFlash's (plus the selector's, which only the selector weight scales); then the convolutions and
+    the selector learn, the loss falls, and the checkpoint reloads exactly (LoRA merged, resume exact)."""
+    fusion = "none" if layout == "dflash" else "residual"
+    dflash = tiny_draft(target, "dflash", "none", seed=5)
+    dflash.save_dflash(tmp_path / "dflash")
+    data = precompute_features(FeatureExtractor(target, [0, 1], mtp_head), random_dataset(8, 32))
+    common = dict(init_from=str(tmp_path / "dflash"), anchor_layout=layout, fusion=fusion, max_steps=120,
+                  micro_batch_size=8, num_anchors=16, learning_rate=1e-2, warmup_ratio=0.05)  # fmt: skip
+    plain = Trainer(make_config(tmp_path / "plain", selector_loss_weight=0.0, **common), target=target,
+                    train_dataset=data, eval_dataset=data)  # fmt: skip
+    config = make_config(tmp_path / "d2", draft_config=DFLASH2, selector_loss_weight=0.0, **common)
+    d2 = Trainer(config, target=target, train_dataset=data, eval_dataset=data)
+    assert d2.draft.config.backbone == "dflash2" and not d2.draft.candidate_selector.successor_codebook.any()
+    before = d2.evaluate()
+    assert before["loss"] == pytest.approx(plain.evaluate()["loss"], rel=1e-6)  # DFlash2 at init == DFlash
+    trained = Trainer(make_config(tmp_path / "d2-trained", draft_config=DFLASH2, **common), target=target,
+                      train_dataset=data, eval_dataset=data)  # fmt: skip
+    start = trained.evaluate()
+    trained.train()
+    after = trained.evaluate()
+    assert after["loss"] < 0.6 * start["loss"] and after["acc_1"] > start["acc_1"]
+    draft = trained.draft
+    assert draft.candidate_selector.successor_codebook.abs().sum() > 0
+    assert (draft.layers[0].attention_conv.kernel_projection.weight != 0).any()
+    loaded = DMTPDraftModel.from_pretrained(tmp_path / "d2-trained" / "run" / "final", target=target)
+    assert loaded.config.backbone == "dflash2"
+    assert all(torch.equal(v, draft.state_dict()[k]) for k, v in loaded.state_dict().items())
+
+
+def test_dflash2_from_scratch_with_lora_and_exact_resume(tmp_path, target):
+    data = random_dataset(12, 24)
+    draft_config = {**make_config(tmp_path).draft_config, **DFLASH2}
+
+    def run(out, kill_at=None, **extra):
+        config = make_config(tmp_path, draft_config=draft_config, anchor_layout="dflash", fusion="none",
+                             output_dir=str(tmp_path / out), max_steps=4, save_every=2, resume_from="auto", **extra)  # fmt: skip
+
+        def killer(trainer, step, metrics):
+            if step == kill_at:
+                raise KeyboardInterrupt
+
+        trainer = Trainer(config, target=target, train_dataset=data)
+        trainer.train(callbacks=[killer])
+        return trainer
+
+    straight = draft_weights(run("straight").draft)
+    with pytest.raises(KeyboardInterrupt):
+        run("killed", kill_at=3)
+    resumed = draft_weights(run("killed").draft)
+    assert all(torch.equal(resumed[k], v) for k, v in straight.items())
+    lora = run("lora", lora=True, lora_r=4)
+    merged = DMTPDraftModel.from_pretrained(tmp_path / "lora" / "final", target=target)
+    assert merged.config.backbone == "dflash2" and type(merged) is DMTPDraftModel
+    assert lora.history[-1]["loss"] == lora.history[-1]["loss"]  # finite

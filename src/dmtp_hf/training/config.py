@@ -55,6 +55,7 @@ class TrainConfig:
     num_anchors: int = 512
     loss_decay_gamma: float | None = 4.0  # exp(-(j-1)/gamma) slot weights; 4 for 8-slot blocks (SpecForge)
     logits_chunk_size: int | None = None  # supervised slots per LM-head chunk (checkpointed); None = all at once
+    selector_loss_weight: float = 1.0  # DFlash2: weight of the candidate selector's loss (SpecForge's alpha)
     # --- optimisation
     micro_batch_size: int = 1  # per process
     gradient_accumulation_steps: int = 1

@@ -34,7 +34,13 @@ def build_draft(config: TrainConfig, target: nn.Module, native_mtp: nn.Module | 
     """
     layout = {"anchor_layout": config.anchor_layout, "fusion": config.fusion}
     if config.init_from:
-        draft = DMTPDraftModel.from_pretrained(config.init_from, **layout, **config.draft_config)
+        # `draft_config.dflash_config` adds to the checkpoint's (e.g. DFlash2 keys on DFlash weights), never replaces
+        overrides = dict(config.draft_config)
+        extra = overrides.pop("dflash_config", None) or {}
+        draft_config = DMTPConfig.from_pretrained(config.init_from, **layout, **overrides)
+        draft_config.dflash_config.update(extra)
+        draft_config.validate_dmtp()
+        draft = DMTPDraftModel.from_pretrained(config.init_from, config=draft_config)
         return draft.bind(target, native_mtp=native_mtp)
     text = target.config.get_text_config()
     rope = dict(getattr(text, "rope_parameters", None) or {})

@@ -121,6 +121,7 @@ class BlockPlan:
     labels: torch.Tensor  # [B, N, P] token at each predicted slot's absolute position (clamped when out of range)
     valid: torch.Tensor  # [B, N, P] bool: kept block, position < S and loss_mask = 1
     weights: torch.Tensor  # [B, N, P] float: valid * exp(-(j - 1) / gamma)
+    predecessors: torch.Tensor  # [B, N, P] the token just before each predicted slot (DFlash2's walk, teacher-forced)
 
     @property
     def weight_sum(self) -> torch.Tensor:
@@ -157,10 +158,12 @@ def plan_blocks(
     in_range = predicted < seq_len
     flat = predicted.clamp(max=seq_len - 1).flatten(1)  # [B, N*P]
     labels = input_ids.gather(1, flat).view_as(predicted)
+    predecessors = input_ids.gather(1, (flat - 1).clamp(min=0)).view_as(predicted)
     supervised = loss_mask.gather(1, flat).view_as(predicted).bool()
     valid = keep[..., None] & in_range & supervised
     decay = slot_decay(predicted.shape[-1], loss_decay_gamma, device=input_ids.device)
-    return BlockPlan(anchors=anchors, keep=keep, labels=labels, valid=valid, weights=valid.float() * decay)
+    return BlockPlan(anchors=anchors, keep=keep, labels=labels, valid=valid, weights=valid.float() * decay,
+                     predecessors=predecessors)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -231,11 +234,18 @@ class DMTPTrainingObjective(nn.Module):
     ``accept_len_tf`` assumes T1 is accepted (teacher-forced T1, what the draft itself controls).
     """
 
-    def __init__(self, draft: nn.Module, loss_decay_gamma: float | None = 4.0, logits_chunk_size: int | None = None):
+    def __init__(
+        self,
+        draft: nn.Module,
+        loss_decay_gamma: float | None = 4.0,
+        logits_chunk_size: int | None = None,
+        selector_loss_weight: float = 1.0,
+    ):
         super().__init__()
         self.model = draft
         self.loss_decay_gamma = loss_decay_gamma
         self.logits_chunk_size = logits_chunk_size
+        self.selector_loss_weight = selector_loss_weight
 
     @property
     def draft(self) -> DMTPDraftModel:
@@ -296,7 +306,9 @@ class DMTPTrainingObjective(nn.Module):
         # Logits only for supervised slots: [M, V] instead of [B, N, P, V]; in chunks of rows when asked.
         valid = plan.valid
         labels = plan.labels[valid]
-        ce, predicted = supervised_cross_entropy(draft, hidden[valid], labels, self.logits_chunk_size)  # [M], [M]
+        ce, predicted = supervised_cross_entropy(
+            draft, hidden[valid], labels, self.logits_chunk_size, plan.predecessors[valid], self.selector_loss_weight
+        )  # [M], [M]
         weighted_ce = (ce * plan.weights[valid]).sum()
         weight_sum = plan.weights.sum()
         if normalizer is None:
@@ -317,29 +329,50 @@ class DMTPTrainingObjective(nn.Module):
         )
 
 
-def _cross_entropy_rows(draft: DMTPDraftModel, hidden: torch.Tensor, labels: torch.Tensor):
+def _cross_entropy_rows(draft: DMTPDraftModel, hidden, labels, predecessors=None, selector_weight: float = 1.0):
+    """Per-row loss and prediction through the draft's LM head: the cross-entropy over the vocabulary, plus, with a
+    DFlash2 backbone, ``selector_weight`` x the selector's cross-entropy over the top-k candidates (SpecForge's: the
+    walk's score after the true previous token; rows whose label is not a candidate add nothing). The prediction is
+    then the walk's pick."""
     logits = draft.compute_logits(hidden).float()  # [m, V]
-    return F.cross_entropy(logits, labels, reduction="none"), logits.argmax(dim=-1)
+    loss = F.cross_entropy(logits, labels, reduction="none")
+    selector = draft.candidate_selector
+    if selector is None:
+        return loss, logits.argmax(dim=-1)
+    candidates, scores = selector.scores(logits, selector.hidden_projection(hidden), predecessors)  # [m, k] each
+    gold = candidates == labels[:, None]
+    covered = gold.any(dim=-1)
+    selector_loss = F.cross_entropy(scores, gold.float().argmax(dim=-1), reduction="none") * covered
+    return loss + selector_weight * selector_loss, candidates.gather(1, scores.argmax(-1, keepdim=True))[:, 0]
 
 
 def supervised_cross_entropy(
-    draft: DMTPDraftModel, hidden: torch.Tensor, labels: torch.Tensor, chunk_size: int | None = None
+    draft: DMTPDraftModel,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_size: int | None = None,
+    predecessors: torch.Tensor | None = None,
+    selector_weight: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row cross-entropy ``[M]`` and argmax ``[M]`` of ``hidden`` ``[M, H]`` through the draft's LM head.
+    """Per-row loss ``[M]`` and prediction ``[M]`` of ``hidden`` ``[M, H]`` through the draft's LM head (and, for
+    DFlash2, its candidate selector after ``predecessors`` ``[M]``: `_cross_entropy_rows`).
 
     With ``chunk_size``, rows go through the LM head ``chunk_size`` at a time and each chunk's logits are recomputed
     in the backward pass (activation checkpointing), so at most ``[chunk_size, V]`` logits exist at once: at a
     150k vocabulary and 512 anchors x 7 slots the unchunked ``[M, V]`` float logits alone take gigabytes.
     """
+    if predecessors is None:
+        predecessors = torch.zeros_like(labels)
     if not chunk_size or hidden.shape[0] <= chunk_size:
-        return _cross_entropy_rows(draft, hidden, labels)
+        return _cross_entropy_rows(draft, hidden, labels, predecessors, selector_weight)
     losses, predicted = [], []
     for start in range(0, hidden.shape[0], chunk_size):
         rows = slice(start, start + chunk_size)
+        args = (draft, hidden[rows], labels[rows], predecessors[rows], selector_weight)
         if torch.is_grad_enabled() and hidden.requires_grad:
-            loss, argmax = checkpoint(_cross_entropy_rows, draft, hidden[rows], labels[rows], use_reentrant=False)
+            loss, argmax = checkpoint(_cross_entropy_rows, *args, use_reentrant=False)
         else:
-            loss, argmax = _cross_entropy_rows(draft, hidden[rows], labels[rows])
+            loss, argmax = _cross_entropy_rows(*args)
         losses.append(loss)
         predicted.append(argmax)
     return torch.cat(losses), torch.cat(predicted)

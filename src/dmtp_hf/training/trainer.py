@@ -156,7 +156,9 @@ class Trainer(CheckpointMixin):
         if config.train_mtp_head == "only":
             head = wrap_lora(config, self.mtp_head, None) if config.lora else self.mtp_head
             return MTPHeadObjective(head, config.mtp_kl_weight, config.logits_chunk_size or 1024)
-        objective = DMTPTrainingObjective(draft, config.loss_decay_gamma, config.logits_chunk_size)
+        objective = DMTPTrainingObjective(
+            draft, config.loss_decay_gamma, config.logits_chunk_size, config.selector_loss_weight
+        )
         if config.train_mtp_head == "joint":
             head = MTPHeadObjective(self.mtp_head, config.mtp_kl_weight, config.logits_chunk_size or 1024)
             objective = JointObjective(objective, head, config.mtp_loss_weight)
