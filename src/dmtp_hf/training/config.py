@@ -45,8 +45,8 @@ class TrainConfig:
     target_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     # --- data
     train_data: str  # chat/pre-tokenized JSONL, an offline feature directory, or synthetic:<N>x<len>
-    eval_data: str | None = None  # held-out set (same forms); None = the last `eval_holdout` train samples
-    eval_holdout: int = 0
+    eval_data: str | None = None  # held-out set (same forms); None = `eval_holdout` train samples
+    eval_holdout: int = 0  # train samples held out at random (seeded by `seed`) when eval_data is None
     tokenizer: str | None = None  # default: the target checkpoint
     enable_thinking: bool | None = None  # chat template `enable_thinking` (None: template default)
     mask_strategy: Literal["auto", "generation", "incremental"] = "auto"  # see training/data.py

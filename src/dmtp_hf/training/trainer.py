@@ -102,10 +102,11 @@ class Trainer(CheckpointMixin):
         if eval_dataset is None and config.eval_data:
             self.eval_dataset = self._load_data(config.eval_data)
         elif eval_dataset is None and config.eval_holdout > 0:
-            n = len(self.train_dataset)
-            keep = n - config.eval_holdout
-            self.eval_dataset = torch.utils.data.Subset(self.train_dataset, range(keep, n))
-            self.train_dataset = torch.utils.data.Subset(self.train_dataset, range(keep))
+            # a random subset (seeded): files are often grouped by source, and their tail is no held-out sample
+            order = torch.randperm(len(self.train_dataset), generator=torch.Generator().manual_seed(config.seed))
+            held, kept = sorted(order[: config.eval_holdout].tolist()), sorted(order[config.eval_holdout :].tolist())
+            self.eval_dataset = torch.utils.data.Subset(self.train_dataset, held)
+            self.train_dataset = torch.utils.data.Subset(self.train_dataset, kept)
         self.schedule = StepSchedule(
             len(self.train_dataset),
             config.micro_batch_size,
