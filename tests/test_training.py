@@ -591,7 +591,8 @@ def test_dflash2_from_scratch_with_lora_and_exact_resume(tmp_path, target):
 
     def run(out, kill_at=None, **extra):
         config = make_config(tmp_path, draft_config=draft_config, anchor_layout="dflash", fusion="none",
-                             output_dir=str(tmp_path / out), max_steps=4, save_every=2, resume_from="auto", **extra)  # fmt: skip
+                             output_dir=str(tmp_path / out), max_steps=4, save_every=2, resume_from="auto",
+                             **extra)  # fmt: skip
 
         def killer(trainer, step, metrics):
             if step == kill_at:

@@ -26,6 +26,32 @@ class Accepted:
         return TargetStep(positions, self.new_tokens, valid, mtp_hidden, features, counts_host)
 
 
+class StepOutputs:
+    """What ``output_scores`` / ``output_logits`` ask for: each generated token's processed scores and raw logits,
+    ``[B0, V]`` per step as plain ``generate`` returns them. Steps after a row has finished hold ``-inf`` (plain
+    ``generate`` computes scores on padding there; a speculative batch does no work for finished rows)."""
+
+    def __init__(self, scores: bool, logits: bool) -> None:
+        self.wanted = {"scores": scores, "logits": logits}
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def write(self, rows: torch.Tensor, columns: torch.Tensor, budget: int, batch_size: int, **values) -> None:
+        """``values[name]`` ``[B, k+1, V]`` at the caller ``rows`` ``[B]`` and token ``columns`` ``[B, k+1]``."""
+        for name, value in values.items():
+            if not self.wanted[name] or value is None:
+                continue
+            if name not in self.buffers:
+                shape = (batch_size, budget + 1, value.shape[-1])
+                self.buffers[name] = torch.full(shape, float("-inf"), dtype=torch.float32, device=value.device)
+            index = (rows[:, None].expand_as(columns), columns)
+            self.buffers[name].index_put_(index, value[:, : columns.shape[1]].float())
+
+    def steps(self, name: str, length: int) -> tuple[torch.Tensor, ...] | None:
+        """The first ``length`` steps of ``name`` as a tuple of ``[B0, V]`` tensors (``None`` if not asked for)."""
+        buffer = self.buffers.get(name)
+        return None if buffer is None else tuple(buffer[:, step] for step in range(length))
+
+
 @dataclass
 class HostRows:
     """The active rows as the host sees them, refreshed from one synchronisation per round."""
@@ -60,8 +86,11 @@ class ActiveBatch:
     :attr:`host` is the host's view of the same rows.
     """
 
-    def __init__(self, first: torch.Tensor, prompt_lengths: torch.Tensor, budget: int, pad: int):
+    def __init__(
+        self, first: torch.Tensor, prompt_lengths: torch.Tensor, budget: int, pad: int, outputs: StepOutputs | None
+    ):
         batch, device = first.shape[0], first.device
+        self.outputs = outputs
         self.budget, self.pad = budget, pad
         self.tokens = torch.full((batch, budget + 1), pad, dtype=torch.long, device=device)
         self.tokens[:, 0] = first
@@ -89,8 +118,14 @@ class ActiveBatch:
         steps = torch.arange(candidates.shape[1] + 1, device=candidates.device)
         return torch.cat([self.last_tokens[:, None], candidates], dim=1), self.anchor_positions[:, None] + steps
 
-    def commit(self, round_: Accepted) -> RoundHost:
-        """Write each row's kept tokens after its generated ones (in place); returns the round on the host."""
+    def record(self, columns: torch.Tensor, scores=None, logits=None) -> None:
+        """Keep the scores / raw logits of the tokens written at ``columns`` ``[B, k+1]`` (when asked for)."""
+        if self.outputs is not None:
+            self.outputs.write(self.rows, columns, self.budget, self.tokens.shape[0], scores=scores, logits=logits)
+
+    def commit(self, round_: Accepted, scores=None, logits=None) -> RoundHost:
+        """Write each row's kept tokens after its generated ones (in place), with their ``scores`` / ``logits``
+        ``[B, k+1, V]`` when `StepOutputs` asks for them; returns the round on the host."""
         new_tokens, counts = round_.new_tokens, round_.counts
         counts_host, accepted_host, stop_host = torch.stack([counts, round_.accepted, round_.stop.long()]).tolist()
         self.finished = self.finished | round_.stop
@@ -98,6 +133,7 @@ class ActiveBatch:
         columns = self.num_generated[:, None] + steps[None]
         columns = torch.where(steps[None] < counts[:, None], columns, torch.full_like(columns, self.budget))
         self.tokens.index_put_((self.rows[:, None].expand_as(columns), columns), new_tokens)
+        self.record(columns, scores, logits)
         last = new_tokens.gather(1, (counts - 1).clamp(min=0)[:, None])[:, 0]
         self.last_tokens = torch.where(counts > 0, last, self.last_tokens)
         self.num_generated = self.num_generated + counts

@@ -24,7 +24,7 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 from transformers.cache_utils import Cache, DynamicCache
 
 from ..modeling.native_mtp.hidden import TargetHiddenExtractor
-from .batch import Accepted, ActiveBatch, RoundHost
+from .batch import Accepted, ActiveBatch, RoundHost, StepOutputs
 from .drafters import Drafter, TokenSelector
 from .linear_attention import is_gated_delta_net
 from .processing import RowProcessors
@@ -97,7 +97,7 @@ def accept(verdict, candidates: torch.Tensor, scores: torch.Tensor, batch: Activ
 
 
 def prefill(runner: TargetRunner, input_ids, attention_mask, max_length: int, stopping: RowStopping, logits_processor,
-            do_sample: bool, rollback: str, streamer):  # fmt: skip
+            do_sample: bool, rollback: str, streamer, outputs: StepOutputs | None = None):  # fmt: skip
     """The target over the prompt and the first generated token: ``(batch, drafter start step, target cache
     state)``; rows that end with the first token are marked finished."""
     prompt_mask = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
@@ -110,7 +110,8 @@ def prefill(runner: TargetRunner, input_ids, attention_mask, max_length: int, st
     )
     scores = process_logits(logits[:, -1], input_ids, logits_processor)  # the prompt is the processors' exact input
     first = select_tokens(scores, do_sample)
-    batch = ActiveBatch(first, prompt_lengths, max_length - input_ids.shape[1], stopping.pad)
+    batch = ActiveBatch(first, prompt_lengths, max_length - input_ids.shape[1], stopping.pad, outputs)
+    batch.record(torch.zeros_like(first)[:, None], scores[:, None], logits[:, -1:])
     batch.stop(stopping.after_prefill(batch, scores))
     if streamer is not None:
         streamer.put(input_ids.cpu()), streamer.put(first.cpu())
@@ -206,10 +207,11 @@ def speculative_decode(
     streamer=None,
     stats: SpecStats | None = None,
     profile: bool = False,
+    outputs: StepOutputs | None = None,
 ) -> tuple[torch.Tensor, SpecStats]:
     """Generate after ``input_ids`` ``[B, P]`` (left-padded) with ``drafter``: ``(sequences, stats)`` as ``generate``
     returns them. ``verify_mode``: ``greedy``, ``match``, ``rejection``; ``draft_sampling``: sample candidates (default:
-    for ``rejection``); ``rollback``: ``rebuild`` or ``replay``; ``profile``: synchronised stage times."""
+    for ``rejection``); ``rollback``: ``rebuild``/``replay``; ``profile``: stage times; ``outputs``: keep scores."""
     mode = check_inputs(target, verify_mode, do_sample, input_ids, attention_mask, streamer)
     cache = target_cache(target, cache, input_ids.shape[0], max_length, drafter.num_candidates)
     stats = stats if stats is not None else SpecStats(drafter.num_candidates, drafter.name)
@@ -221,7 +223,7 @@ def speculative_decode(
     try:
         with stats.stage("prefill"):
             batch, step, state = prefill(runner, input_ids, attention_mask, max_length, stopping, logits_processor,
-                                         do_sample, rollback, streamer)  # fmt: skip
+                                         do_sample, rollback, streamer, outputs)  # fmt: skip
         select.for_batch(processors, batch)
         if not batch.done:
             with stats.stage("draft_prefill"):
@@ -244,7 +246,7 @@ def speculative_decode(
                     round_ = accept(verdict, candidates, scores, batch, stopping)
                 # 4. Commit the tokens, then the target cache: A and the kept candidates become history.
                 with stats.stage("commit"):
-                    rows, host = batch.host.rows, batch.commit(round_)
+                    rows, host = batch.host.rows, batch.commit(round_, scores, logits)
                     report(requests, rows, host, round_, streamer)
                 with stats.stage("rollback"):
                     state.commit(round_.counts.clamp(min=1), [max(c, 1) for c in host.counts])

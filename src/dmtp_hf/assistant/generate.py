@@ -18,8 +18,10 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..modeling.modeling_dmtp import DMTPDraftModel
 from ..modeling.native_mtp.head import NativeMTPHead
+from .batch import StepOutputs
 from .decoding import speculative_decode
 from .drafters import DFlashDrafter, DMTPDrafter, Drafter, MTPDrafter
+from .options import check_generate_options
 from .stats import SpecStats
 from .target_cache import static_capacity
 
@@ -98,7 +100,8 @@ def engine_kwargs(target, drafter: Drafter, streamer, kwargs: dict[str, Any], **
     """What a ``generate`` call needs to run in the engine: Transformers' ``custom_generate`` hook set to
     :func:`dmtp_custom_generate` with ``drafter`` (and ``options``: ``dmtp_verify_mode``, ...), stop strings made
     into a criterion (`route_kwargs`). Every entry point (``dmtp_hf.generate``, the ``target.generate`` router, a
-    pushed repo's ``custom_generate``) goes through here."""
+    pushed repo's ``custom_generate``) goes through here; options that cannot be exact are refused first."""
+    check_generate_options(target, kwargs)
     return {
         "custom_generate": dmtp_custom_generate, "dmtp_drafter": drafter, "dmtp_streamer": streamer, **options,
         **route_kwargs(target, kwargs),
@@ -124,12 +127,17 @@ def dmtp_custom_generate(
     """
     if dmtp_drafter is None:
         raise ValueError("dmtp_custom_generate needs `dmtp_drafter=` (see dmtp_hf.as_drafter).")
+    check_generate_options(model, {**model_kwargs, "generation_config": generation_config})
     cache = model_kwargs.get("cache") or model_kwargs.get("past_key_values")
     capacity = static_capacity(cache) if cache is not None else None
     needed = generation_config.max_length + dmtp_drafter.num_candidates + 1
     if capacity is not None and capacity < needed:
         # Transformers sized it for `max_length - 1`; a verify writes K + 1 slots past the committed tokens.
         cache = StaticCache(config=model.config, max_cache_len=needed)
+    dict_out = generation_config.return_dict_in_generate
+    outputs = None
+    if dict_out and (generation_config.output_scores or generation_config.output_logits):
+        outputs = StepOutputs(bool(generation_config.output_scores), bool(generation_config.output_logits))
     sequences, stats = speculative_decode(
         model,
         input_ids,
@@ -146,10 +154,15 @@ def dmtp_custom_generate(
         draft_sampling=dmtp_draft_sampling,
         streamer=dmtp_streamer,
         profile=dmtp_profile,
+        outputs=outputs,
     )
-    if generation_config.return_dict_in_generate:
-        return DMTPGenerateOutput(sequences=sequences, cache=cache, spec_stats=stats)
-    return sequences
+    if not dict_out:
+        return sequences
+    steps = sequences.shape[1] - input_ids.shape[1]
+    return DMTPGenerateOutput(
+        sequences=sequences, cache=cache, spec_stats=stats, scores=outputs and outputs.steps("scores", steps),
+        logits=outputs and outputs.steps("logits", steps),
+    )  # fmt: skip
 
 
 def generate(

@@ -23,6 +23,7 @@ Memory: one cloned state per layer (``B x heads x Dk x Dv``), never one per veri
 from __future__ import annotations
 
 import sys
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -59,7 +60,8 @@ class _GateCapture:
             )
 
     def _keep(self, b=None, a=None, ba=None) -> None:
-        if not self.recorder.capturing:
+        # Hooks see every forward of the layer: only this call's verify, in this call's thread, is captured.
+        if not self.recorder.capturing or threading.get_ident() != self.recorder.thread:
             return
         if ba is not None:  # Qwen3-Next: [B, T, k_heads, 2 * v_per_k] grouped as (b, a) per key head
             layer = self.layer
@@ -90,6 +92,7 @@ class GatedDeltaRollback:
             raise RuntimeError(f"found {len(self.layers)} GatedDeltaNet layers, the cache has {len(cache_layers)}")
         self.cache_layers = cache_layers
         self.capturing = False
+        self.thread = threading.get_ident()  # the generate call's thread (another may run on the same target)
         self.captures = [_GateCapture(layer, self) for layer in self.layers]
         self.initial_states: list[torch.Tensor] = []
 

@@ -15,6 +15,7 @@ __all__ = [
     "BUNDLED_MODELS",
     "BUNDLES",
     "MODELS_DIR",
+    "OPTIONAL_MODELS",
     "NotBuiltError",
     "bundle_paths",
     "default_paths",
@@ -33,6 +34,8 @@ BUNDLED_MODELS = {
     "mtp_head_tuned": "mtp_head_tuned",
     "dmtp_tuned": "dmtp_tuned",
 }
+# Drafts on the DFlash2 backbone (DFlash2 alone, and DMTP(D2) on the tuned head): compared when present.
+OPTIONAL_MODELS = {"dflash2": "dflash2", "dmtp_d2": "dmtp_d2"}
 
 
 class NotBuiltError(FileNotFoundError):
@@ -89,6 +92,11 @@ def bundle_paths(bundle: str = "bundled") -> dict[str, Any]:
             "extra_drafts": {
                 "dmtp-native-head": f"{paths['dmtp']}@native",
                 "dmtp-from-dflash": f"{paths['dmtp_from_dflash']}@native",
+                **{
+                    name.replace("_", "-"): MODELS_DIR / folder  # `dflash2`, `dmtp-d2` (on the tuned head)
+                    for name, folder in OPTIONAL_MODELS.items()
+                    if (MODELS_DIR / folder / "config.json").is_file()
+                },
             },
             "heads": {"native": paths["target"]},  # the target's own `mtp.*` head, as shipped
         }

@@ -253,6 +253,7 @@ def build_strategies(labels: list[str], target, paths: ModelPaths, fast_path: bo
         details = {
             "anchor_layout": cfg.anchor_layout,
             "fusion": None if kind == "dflash" else cfg.fusion,
+            "backbone": cfg.backbone,
             "fast_path": fast_path,
         }
         strategies.append(Strategy(label, kind, drafter, path, details))

@@ -302,6 +302,10 @@ class DMTPConfig(Qwen3Config):
     def from_dict(cls, config_dict: dict[str, Any], **kwargs) -> DMTPConfig:
         """Build from a DMTP or an unmodified DFlash ``config.json`` dictionary."""
         config_dict = dict(config_dict)
+        required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+        missing = [key for key in required if key not in config_dict]
+        if missing:  # Qwen3's defaults (a 32-layer model) would load a different draft, or fail confusingly later
+            raise ValueError(f"The draft config is missing {missing}: a DFlash/DMTP config.json states its size.")
         if is_dflash_config_dict(config_dict):
             config_dict["_loaded_from_dflash"] = True
         # What the checkpoint's own fusion was, before any override: a checkpoint saved without fusion weights

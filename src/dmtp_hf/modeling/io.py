@@ -59,6 +59,14 @@ def check_loading_info(info: dict[str, Any]) -> None:
         raise ValueError(f"Checkpoint tensor shapes do not match the DMTP config: {details}")
 
 
+def check_finite(tensors, what: str) -> None:
+    """Raise ``ValueError`` naming every floating-point tensor of ``tensors`` (``(name, tensor)`` pairs) that holds
+    NaN or infinity: a corrupt checkpoint must not load silently (it would only show as a collapsed acceptance)."""
+    bad = [name for name, tensor in tensors if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())]
+    if bad:
+        raise ValueError(f"{what} has non-finite values (NaN or inf) in {len(bad)} tensor(s): {bad[:20]}")
+
+
 def backbone_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The DFlash tensors of a DMTP draft's state dict (no ``fusion.*``, no rotary buffers), contiguous, detached."""
     return {

@@ -40,7 +40,7 @@ from .binding import bind_draft
 from .configuration_dmtp import DMTPConfig, require_local_directory
 from .dflash2 import CandidateSelector, GroupedDynamicCausalConv
 from .fusion import FirstCandidateFusion
-from .io import check_loading_info, save_dflash_checkpoint
+from .io import check_finite, check_loading_info, save_dflash_checkpoint
 
 # ----------------------------------------------------------------------------------------------------
 # 1. Backbone (visibility: attention_masks.py)
@@ -301,6 +301,15 @@ class DMTPDraftModel(DMTPPreTrainedModel):
             )  # fmt: skip
         return head
 
+    def __getattr__(self, name: str):
+        if name == "generation_config":  # read by Transformers' own assisted loop: a draft that was never bound
+            raise AttributeError(
+                "DMTPDraftModel is not a Transformers assistant model on its own: bind it to its target "
+                "(DMTPDraftModel.from_pretrained(path, target=target) or draft.bind(target)); target.generate(..., "
+                "assistant_model=draft) then runs DMTP decoding."
+            )
+        return super().__getattr__(name)
+
     @property
     def target_embedding(self) -> nn.Module:
         """The target's input embedding."""
@@ -487,6 +496,7 @@ class DMTPDraftModel(DMTPPreTrainedModel):
             pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
         )
         check_loading_info(info)
+        check_finite(model.state_dict().items(), f"The checkpoint {pretrained_model_name_or_path}")
         if target is not None:
             model.bind(target)
         return (model, info) if want_info else model

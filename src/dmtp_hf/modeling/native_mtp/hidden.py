@@ -7,6 +7,7 @@ final norm; no output field holds it, so a forward hook on the target's final no
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -37,9 +38,12 @@ class TargetHiddenExtractor:
         self.hidden_input = hidden_input
         self.final_norm = target.get_decoder().norm
         self._captured: torch.Tensor | None = None
+        self._thread = threading.get_ident()  # forwards of other threads (another generate call) are not ours
         self._handle = self.final_norm.register_forward_hook(self._hook, with_kwargs=True)
 
     def _hook(self, module, args: tuple, kwargs: dict, output: torch.Tensor) -> None:
+        if threading.get_ident() != self._thread:
+            return
         if self.hidden_input == "pre_norm":
             self._captured = args[0] if args else next(iter(kwargs.values()))
         else:

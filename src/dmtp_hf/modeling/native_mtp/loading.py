@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
 
+from ..io import check_finite
 from .fp8 import dequantize_fp8_state_dict
 from .fp8 import fp8_block_size as block_size_of
 from .head import HiddenInput, NativeMTPHead
@@ -270,6 +271,7 @@ def load_native_mtp(
         elif keep_fp32 is not None and keep_fp32.search(name):
             tensor_dtype = torch.float32
         state_dict[name] = tensor.to(device=device, dtype=tensor_dtype)
+    check_finite(state_dict.items(), f"The {layout.name} MTP head in {checkpoint!s}")
     head.load_state_dict(state_dict, strict=True, assign=True)
     unloaded = [name for name, tensor in [*head.named_parameters(), *head.named_buffers()] if tensor.is_meta]
     if unloaded:
