@@ -157,3 +157,24 @@ def test_num_return_sequences_samples_expanded_rows(bundled):  # noqa: F811
     plain = target.generate(**inputs, do_sample=True, num_return_sequences=3, max_new_tokens=12)
     assert out.shape[0] == plain.shape[0] == 6
     assert torch.equal(out[:, : inputs["input_ids"].shape[1]], plain[:, : inputs["input_ids"].shape[1]])
+
+
+def test_the_readme_snippet_runs_as_pasted():
+    """The README's Python snippet, exactly as written (it asserts its own losslessness)."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    snippet = readme.split("## In Python", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    assert "default_paths()" in snippet and "dtype=torch.float32" in snippet
+    exec(compile(snippet, "README.md", "exec"), {})
+
+
+def test_the_demo_reports_medians_on_prompts_where_drafters_differ(capsys):
+    from dmtp_hf.demo import REPEATS, run_demo
+
+    assert run_demo(max_new_tokens=16) == 0  # every method lossless
+    printed = capsys.readouterr().out
+    assert "9.6M-parameter" in printed and "make demo-smollm2" in printed
+    assert f"median of {REPEATS} runs" in printed and REPEATS >= 3
+    rows = [line.split() for line in printed.splitlines() if line.startswith(("DMTP", "DFlash", "native"))]
+    assert len(rows) == 3 and len({row[-6] for row in rows}) > 1  # the tokens/round of the methods differ

@@ -611,3 +611,47 @@ def test_dflash2_from_scratch_with_lora_and_exact_resume(tmp_path, target):
     merged = DMTPDraftModel.from_pretrained(tmp_path / "lora" / "final", target=target)
     assert merged.config.backbone == "dflash2" and type(merged) is DMTPDraftModel
     assert lora.history[-1]["loss"] == lora.history[-1]["loss"]  # finite
+
+
+@pytest.mark.parametrize("signal_name", ["SIGINT", "SIGTERM"])
+def test_a_signal_saves_a_resumable_checkpoint_and_stops(tmp_path, target, signal_name, capsys):
+    import signal
+
+    from dmtp_hf.training.interruptions import TrainingInterrupted
+
+    data = random_dataset(12, 24)
+
+    def run(out, signal_at=None):
+        config = make_config(tmp_path, output_dir=str(tmp_path / out), max_steps=6, save_every=4, resume_from="auto")
+
+        def send(trainer, step, metrics):
+            if step == signal_at:
+                signal.raise_signal(getattr(signal, signal_name))  # what Ctrl-C or a scheduler's preemption does
+
+        trainer = Trainer(config, target=target, train_dataset=data)
+        trainer.train(callbacks=[send])
+        return trainer
+
+    straight = draft_weights(run("straight").draft)
+    with pytest.raises(TrainingInterrupted, match=rf"{signal_name}: stopped at step 3, resumable checkpoint") as stop:
+        run("stopped", signal_at=3)  # the periodic checkpoint would come at step 4: step 3 is saved on the signal
+    assert stop.value.exit_code == 128 + getattr(signal, signal_name)
+    assert sorted(p.name for p in (tmp_path / "stopped" / "checkpoints").iterdir()) == ["step-00000003"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+    resumed = run("stopped")
+    assert resumed.history[0]["step"] == 4
+    weights = draft_weights(resumed.draft)
+    assert all(torch.equal(weights[k], v) for k, v in straight.items())
+
+
+def test_resume_refuses_changed_settings_unless_allowed(tmp_path, target):
+    data = random_dataset(8, 24)
+    base = dict(output_dir=str(tmp_path / "run"), max_steps=2, save_every=2, resume_from="auto")
+    Trainer(make_config(tmp_path, **base), target=target, train_dataset=data).train()
+    longer = dict(base, max_steps=4)
+    with pytest.raises(ValueError, match=r"learning_rate: 0\.003 -> 0\.001.*max_steps: 2 -> 4.*allow_config_change"):
+        Trainer(make_config(tmp_path, **longer, learning_rate=1e-3), target=target, train_dataset=data).train()
+    trainer = Trainer(make_config(tmp_path, **longer, allow_config_change=True, log_every=2), target=target,
+                      train_dataset=data)  # fmt: skip
+    trainer.train()
+    assert trainer.step == 4 and trainer.history[0]["step"] == 3

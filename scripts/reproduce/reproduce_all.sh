@@ -26,11 +26,8 @@ mkdir -p src/dmtp_hf/bundled/models/target
 cp $T/* src/dmtp_hf/bundled/models/target/
 T=src/dmtp_hf/bundled/models/target
 
-# 4. training data for the drafts: the target's own greedy answers (resumable; --limit counts the whole file)
-$DMTP regenerate --target $T --input outputs/corpus/train_code_chat.jsonl --output outputs/drafts/regen_train.jsonl \
-    --batch-size 16 --max-new-tokens 256 --limit 2400
-$DMTP regenerate --target $T --input outputs/corpus/train_chat_2turn.jsonl --output outputs/drafts/regen_train.jsonl \
-    --batch-size 16 --max-new-tokens 256 --limit 3200
+# 4. training data for the drafts: the target's own greedy answers (resumable)
+TARGET=$T bash scripts/reproduce/regenerate_bundled.sh
 
 # 5. the drafts: DFlash and DMTP in parallel (one core each), then DMTP continued from DFlash (2 processes)
 OMP_NUM_THREADS=1 $DMTP train --config configs/bundled-dflash.yaml > outputs/drafts/train-dflash.log 2>&1 &

@@ -13,12 +13,38 @@ import time
 
 import torch
 
-# A code request per bundle, in the shape of its training data (scripts/reproduce/).
+# Requests per bundle, in the shapes of its evaluation (a code request, a chat turn, an open question): drafters
+# differ on them (on the code request alone every drafter of the toy target accepts almost everything).
 DEMO_REQUESTS = {
-    "bundled": "Write the Python function `fibonacci` of the `mathutils` module.\n\n"
-    "Signature: `def fibonacci(n):`\n\nDocstring: Return the n-th Fibonacci number.",
-    "smollm2": "Write a Python function `fibonacci(n)` that returns the n-th Fibonacci number.",
+    "bundled": [
+        "Write the Python function `fibonacci` of the `mathutils` module.\n\nSignature: `def fibonacci(n):`\n\n"
+        "Docstring: Return the n-th Fibonacci number.",
+        "what food do you like?",
+        "Compose an engaging travel blog post about a recent trip to Hawaii.",
+    ],
+    "smollm2": [
+        "Write a Python function `fibonacci(n)` that returns the n-th Fibonacci number.",
+        "A shop sells 3 apples for $2. How much do 12 apples cost? Explain step by step.",
+        "What are three tips for staying productive when working from home?",
+    ],
 }
+ABOUT = {
+    "bundled": "The toy target is a 9.6M-parameter Qwen3.5-architecture model this project pretrained on CPU: its text "
+    "is not meaningful, only its speculation is. `make demo-smollm2` runs the same on SmolLM2-135M-Instruct.",
+    "smollm2": "SmolLM2-135M-Instruct with a retrofitted MTP head and drafts trained on its own answers (CPU budget).",
+}
+REPEATS = 3  # timed runs per method after a warm-up; the median is reported (CPU timings swing)
+
+
+def _median_seconds(run, repeats: int = REPEATS) -> tuple[float, object]:
+    """Median wall time of ``run()`` over ``repeats`` runs (after one untimed warm-up) and its last output."""
+    out = run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = run()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2], out
 
 
 def run_demo(max_new_tokens: int = 48, seed: int = 0, bundle: str = "bundled") -> int:
@@ -32,55 +58,57 @@ def run_demo(max_new_tokens: int = 48, seed: int = 0, bundle: str = "bundled") -
 
     torch.manual_seed(seed)
     paths = bundle_paths(bundle)
-    # Stored in bf16; fp32 is the fast CPU dtype (the comparison report runs fp32 too).
+    # Stored in bf16; fp32 is the fast CPU dtype and keeps greedy output token for token plain generate's.
     target = AutoModelForCausalLM.from_pretrained(paths["target"], dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(paths["target"])
-    prompt_ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": DEMO_REQUESTS[bundle]}],
-        add_generation_prompt=True,
-        return_tensors="pt",
-        return_dict=True,
-    )["input_ids"]
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": request}], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=True)["input_ids"]
+        for request in DEMO_REQUESTS[bundle]
+    ]  # fmt: skip
     # The MTP head: the target's own, or a retrofitted one (SmolLM2 ships none).
     head = load_native_mtp(target, checkpoint=paths["mtp_head"]) if paths["mtp_head"] else None
     # `bind` casts each draft to the target's dtype (the SmolLM2 drafts are stored in bf16).
     dmtp = DMTPDraftModel.from_pretrained(paths["draft"]).bind(target, native_mtp=head).eval()
     dflash = DMTPDraftModel.from_pretrained(paths["dflash_draft"]).bind(target, native_mtp=head).eval()
     cfg = dmtp.config
+    print(ABOUT[bundle])
     print(
         f"target: {type(target).__name__} ({sum(p.numel() for p in target.parameters()) / 1e6:.1f}M); DMTP draft: "
         f"layout={cfg.anchor_layout} fusion={cfg.fusion}, {cfg.num_candidates} candidates/round; MTP head: "
         + (f"{paths['mtp_head'].name}" if paths["mtp_head"] else "the target's own")
     )
-    # Side by side on the same prompt: the DMTP draft, and the baselines a user would compare it with.
-    contenders = [("DMTP", dmtp, None), ("DFlash", dflash, None), ("native MTP-1", dmtp, "mtp")]
     kwargs = dict(do_sample=False, max_new_tokens=max_new_tokens)
-    target.generate(prompt_ids, **kwargs)  # warm-up
-    start = time.perf_counter()
-    plain = target.generate(prompt_ids, **kwargs)
-    plain_seconds = time.perf_counter() - start
+    plain_seconds, plain = _median_seconds(lambda: [target.generate(ids, **kwargs) for ids in prompts])
     runs = []
-    for label, model, strategy in contenders:
-        # Warm-up: loads the native MTP head and touches every code path once, outside the timing.
-        dmtp_hf.generate(target, prompt_ids, model, strategy=strategy, **dict(kwargs, max_new_tokens=8))
-        start = time.perf_counter()
-        out = dmtp_hf.generate(target, prompt_ids, model, strategy=strategy, return_dict_in_generate=True, **kwargs)
-        runs.append((label, out, time.perf_counter() - start))
+    for label, model, strategy in [("DMTP", dmtp, None), ("DFlash", dflash, None), ("native MTP-1", dmtp, "mtp")]:
+        seconds, outs = _median_seconds(lambda m=model, s=strategy: [
+            dmtp_hf.generate(target, ids, m, strategy=s, return_dict_in_generate=True, **kwargs) for ids in prompts
+        ])  # fmt: skip
+        runs.append((label, outs, seconds))
+    _print_results(tokenizer, prompts, plain, plain_seconds, runs)
+    return 0 if all(torch.equal(o.sequences, p) for _, outs, _ in runs for o, p in zip(outs, plain)) else 1
 
-    label, out, _ = runs[0]
-    new = out.sequences[0, prompt_ids.shape[1] :]
-    print(f"\n--- generated by {label} ({new.numel()} tokens) ---\n{tokenizer.decode(new, skip_special_tokens=True)}\n")
-    print(f"plain greedy generate: {plain_seconds:.2f}s")
+
+def _print_results(tokenizer, prompts, plain, plain_seconds: float, runs) -> None:
+    """The first answer, then a table: tokens per round and first-candidate acceptance over all prompts, median
+    speedup over plain ``generate``, and whether every output is plain ``generate``'s."""
+    from .assistant.stats import SpecStats
+
+    new = runs[0][1][0].sequences[0, prompts[0].shape[1] :]
+    text = tokenizer.decode(new, skip_special_tokens=True)
+    print(f"\n--- generated by {runs[0][0]} ({new.numel()} tokens) ---\n{text}\n")
+    print(f"plain greedy generate: {plain_seconds:.2f}s for {len(prompts)} prompts (median of {REPEATS} runs)")
     header = ["tokens/round", "first-cand.", "rounds", "time", "speedup"]
     print(f"{'method':14s} " + " ".join(f"{h:>{w}s}" for h, w in zip(header, (12, 12, 7, 7, 8))) + "  lossless")
-    lossless = True
-    for label, out, seconds in runs:
-        stats = out.spec_stats
-        same = torch.equal(out.sequences, plain)
-        lossless &= same
+    for label, outs, seconds in runs:
+        stats = SpecStats(outs[0].spec_stats.num_candidates, label)
+        for out in outs:
+            stats.merge(out.spec_stats)
+        same = all(torch.equal(o.sequences, p) for o, p in zip(outs, plain))
         print(
             f"{label:14s} {stats.acceptance_length_per_verify:12.2f} {100 * stats.first_candidate_acceptance:11.1f}% "
             f"{stats.num_rounds:7d} {seconds:6.2f}s {plain_seconds / seconds:7.2f}x  {same}"
         )
-    print("(tokens/round = acceptance length per verify, bonus token included; CPU wall clock, one prompt)")
-    return 0 if lossless else 1
+    print("(tokens/round = acceptance length per verify, bonus included; CPU wall clock, median of "
+          f"{REPEATS} runs after a warm-up)")  # fmt: skip

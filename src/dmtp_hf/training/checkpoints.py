@@ -4,6 +4,7 @@ resume, and the final export. A mixin of `Trainer` (it reads the trainer's accel
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -13,7 +14,29 @@ from ..modeling.io import atomic_directory
 from .models import save_models
 from .mtp_objective import JointObjective
 
-__all__ = ["CheckpointMixin"]
+__all__ = ["HARMLESS_CHANGES", "CheckpointMixin", "check_resumed_config"]
+
+logger = logging.getLogger(__name__)
+# Settings a resumed run may change without changing the weights it produces (logging, checkpoints, evaluation).
+HARMLESS_CHANGES = frozenset(
+    {"log_every", "report_to", "eval_every", "eval_batch_size", "save_every", "save_total_limit", "resume_from",
+     "output_dir", "allow_config_change"}
+)  # fmt: skip
+
+
+def check_resumed_config(saved: dict[str, Any], current: dict[str, Any], directory: Path) -> None:
+    """Refuse to resume with settings that change what training computes (learning rate, batch, steps, data,
+    model...) unless ``allow_config_change``; log the harmless changes."""
+    changed = sorted(k for k in set(saved) | set(current) if k in saved and saved.get(k) != current.get(k))
+    harmful = [k for k in changed if k not in HARMLESS_CHANGES]
+    details = ", ".join(f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in changed)
+    if harmful and not current.get("allow_config_change"):
+        raise ValueError(
+            f"Resuming from {directory} with a different config ({details}): the result would not be the run the "
+            f"checkpoint belongs to. Restore {harmful}, or pass --set allow_config_change=true to continue anyway."
+        )
+    if changed:
+        logger.warning("Resuming from %s with changed settings: %s", directory, details)
 
 
 class CheckpointMixin:
@@ -110,9 +133,11 @@ class CheckpointMixin:
         return found[-1] if found else None
 
     def load_checkpoint(self, directory: str | os.PathLike) -> None:
-        """Restore weights, optimizer, scheduler, RNG and step from a checkpoint written by `save_checkpoint`."""
+        """Restore weights, optimizer, scheduler, RNG and step from a checkpoint written by `save_checkpoint`,
+        after comparing its config with this run's (`check_resumed_config`)."""
         directory = Path(directory)
         state = json.loads((directory / "trainer_state.json").read_text())
+        check_resumed_config(state.get("config") or {}, self.config.to_dict(), directory)
         self.accelerator.load_state(str(directory / "state"))
         self.step = int(state["step"])
         self.train_seconds = float(state.get("train_seconds", 0.0))

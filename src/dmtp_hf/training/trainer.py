@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -35,6 +36,7 @@ from .checkpoints import CheckpointMixin
 from .config import TrainConfig
 from .data import collate, load_dataset_records, synthetic_greedy_dataset
 from .features import FEATURE_KEYS, FeatureExtractor, freeze, load_target
+from .interruptions import GracefulStop, TrainingInterrupted
 from .models import build_draft, build_mtp_head, wrap_lora
 from .mtp_objective import JointObjective, MTPHeadObjective, mtp_positions
 from .objective import DMTPTrainingObjective, anchor_scores, plan_blocks
@@ -170,6 +172,11 @@ class Trainer(CheckpointMixin):
         if source.startswith("synthetic:"):
             num, _, length = source.removeprefix("synthetic:").partition("x")
             return synthetic_greedy_dataset(self.target, int(num), int(length), seed=config.seed)
+        if not Path(source).exists():
+            raise FileNotFoundError(
+                f"The training data {source} does not exist; the comment next to it in the shipped configs names the "
+                "command that makes it (e.g. scripts/reproduce/regenerate_bundled.sh)."
+            )
         tokenizer = config.tokenizer or resolve_target_path(config.target_model)
         return load_dataset_records(
             source,
@@ -263,6 +270,21 @@ class Trainer(CheckpointMixin):
 
         bar = tqdm(total=self.total_steps, initial=self.step, desc="train", disable=not acc.is_main_process)
         start = run_start = time.perf_counter()
+        with GracefulStop() as stop:
+            self._loop(callbacks, bar, stop, start)
+        bar.close()
+        if not config.save_every or self.step % config.save_every:
+            self.save_checkpoint()
+        self.export(Path(config.output_dir) / "final")
+        if acc.is_main_process:
+            elapsed = time.perf_counter() - run_start
+            print(f"trained {self.total_steps} steps on {acc.num_processes} process(es) in {elapsed:.1f}s")
+        acc.end_training()
+        return self.history
+
+    def _loop(self, callbacks: Sequence[StepCallback], bar, stop: GracefulStop, start: float) -> None:
+        """Steps up to ``total_steps``: log, evaluate, checkpoint; on SIGINT/SIGTERM save and stop."""
+        acc, config = self.accelerator, self.config
         while self.step < self.total_steps:
             metrics = self.train_step()
             self.step += 1
@@ -280,15 +302,11 @@ class Trainer(CheckpointMixin):
                 self.save_checkpoint()
             for callback in callbacks:
                 callback(self, self.step, metrics)
-        bar.close()
-        if not config.save_every or self.step % config.save_every:
-            self.save_checkpoint()
-        self.export(Path(config.output_dir) / "final")
-        if acc.is_main_process:
-            elapsed = time.perf_counter() - run_start
-            print(f"trained {self.total_steps} steps on {acc.num_processes} process(es) in {elapsed:.1f}s")
-        acc.end_training()
-        return self.history
+            if (name := stop.requested(acc)) is not None:
+                bar.close()
+                saved = self.save_checkpoint()
+                acc.end_training()
+                raise TrainingInterrupted(name, self.step, saved)
 
     def train_step(self) -> dict[str, float]:
         """One optimizer step over this process's micro-batches; returns metrics of the whole global batch."""
@@ -410,5 +428,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     args = parser.parse_args(argv)
     config = TrainConfig.from_yaml(args.config, args.set)
-    Trainer(config).train()
+    try:
+        Trainer(config).train()
+    except TrainingInterrupted as stopped:
+        print(stopped, file=sys.stderr)
+        return stopped.exit_code
     return 0
