@@ -471,3 +471,110 @@ def test_round_stage_times_add_up_to_the_rounds(targets):
         inside = sum(stats.stage_seconds.get(name, 0.0) for name in ROUND_STAGES)
         rounds = stats.stage_seconds["rounds"]
         assert 0.85 * rounds <= inside <= rounds, (drafter.name, dict(stats.stage_seconds))
+
+
+def test_rollback_rebuilds_with_the_kernels_transformers_resolved_for_the_layer(targets, monkeypatch):
+    """The rebuild calls the gated-delta-rule functions of the layer's own module, which Transformers resolves once
+    (flash-linear-attention when installed, else the torch reference) for the verify and the rebuild alike."""
+    import sys
+
+    target = targets["qwen3_5"]
+    layer = next(m for m in target.modules() if type(m).__name__.endswith("GatedDeltaNet"))
+    module = sys.modules[type(layer).__module__]
+    calls = {"recurrent": 0, "chunk": 0}
+    for kind, name in (("recurrent", "torch_recurrent_gated_delta_rule"), ("chunk", "torch_chunk_gated_delta_rule")):
+        resolved = getattr(module, name)
+
+        def spy(*args, _resolved=resolved, _kind=kind, **kwargs):
+            calls[_kind] += 1
+            return _resolved(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, spy)
+    prompt = torch.tensor([[5, 17, 42, 9, 77, 3]])
+    reference = greedy_reference(target, prompt)
+    before = dict(calls)
+    out, stats = speculative_decode(target, prompt, OracleMix(strategies(target)["dmtp"], reference, seed=2),
+                                    max_length=reference.shape[1])  # fmt: skip
+    assert torch.equal(out, reference)
+    partial = sum(stats.hist[:-1])  # rounds that rejected some candidate: each rebuilds every layer's state
+    assert partial > 0 and calls["recurrent"] - before["recurrent"] >= partial  # the rebuilds (verifies are chunked)
+    assert calls["chunk"] > before["chunk"]  # the verifies themselves
+
+
+def test_a_greedy_round_synchronises_with_the_host_once(targets, monkeypatch):
+    """Counting every device->host read (`tolist`, `item`, `bool`, `int`, `float` of a tensor) between two
+    proposals: one per round (the committed counts), with or without logits processors, at batch size 1 and 2;
+    a custom stopping criterion adds the two documented in `RowStopping` (its inputs need the counts on the host,
+    and its verdicts are read back)."""
+    from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor, StoppingCriteria
+
+    target = targets["qwen3_5"]  # hybrid: the GatedDeltaNet rollback runs too
+    count = [0]
+    for name in ("tolist", "item", "__bool__", "__int__", "__float__"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, **kwargs):
+            count[0] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+
+    class Marks(DrafterWrapper):
+        def __init__(self, inner):
+            super().__init__(inner)
+            self.marks = []
+
+        def propose(self, *args, **kwargs):
+            self.marks.append(count[0])
+            return super().propose(*args, **kwargs)
+
+    class Never(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    ids = torch.tensor([[5, 17, 42, 9, 77, 3], [0, 0, 11, 12, 13, 14]])
+    mask = (ids != 0).long()
+    processors = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.2)])
+    for rows in (1, 2):
+        for name, drafter in [(n, d) for n, d in strategies(target).items() if n in ("dmtp", "mtp4")]:
+            for options, allowed in (({}, 1), ({"logits_processor": processors}, 1),
+                                     ({"stopping_criteria": [Never()]}, 3)):  # fmt: skip
+                marks = Marks(drafter)
+                speculative_decode(target, ids[:rows], marks, max_length=ids.shape[1] + 16, attention_mask=mask[:rows],
+                                   pad_token_id=0, **options)  # fmt: skip
+                per_round = [b - a for a, b in zip(marks.marks, marks.marks[1:])]
+                assert per_round and max(per_round) <= allowed, (name, rows, options, per_round)
+
+
+def test_the_engines_per_round_bookkeeping_does_not_grow_with_length(targets):
+    """O(L) copying in total: tokens, cache validity and drafter state are written in place, so the engine's own
+    per-round work (commit + rollback stages) at the end of a 1,024-token generation costs what it cost at the
+    start (ratio of the last 10 rounds to the first 10 <= 1.3; noise-robust medians)."""
+    import contextlib
+    import time
+
+    class PerRound(SpecStats):
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.rounds_seconds = []
+
+        @contextlib.contextmanager
+        def stage(self, name, sync_device=None):
+            start = time.perf_counter()
+            with super().stage(name, sync_device):
+                yield
+            if name in ("commit", "rollback"):
+                self.rounds_seconds.append(time.perf_counter() - start)
+
+    target = targets["deepseek_v3"]
+    prompt = torch.tensor([[5, 17, 42, 9]])
+    reference = greedy_reference(target, prompt, max_new_tokens=1024, eos_token_id=None)
+    drafter = strategies(target)["dflash"]
+    stats = PerRound(drafter.num_candidates, "dflash")
+    out, _ = speculative_decode(target, prompt, OracleMix(drafter, reference, seed=3), max_length=reference.shape[1],
+                                stats=stats)  # fmt: skip
+    assert torch.equal(out, reference)
+    per_round = [a + b for a, b in zip(stats.rounds_seconds[::2], stats.rounds_seconds[1::2])]  # commit + rollback
+    assert len(per_round) > 100
+    first, last = sorted(per_round[5:25])[10], sorted(per_round[-20:])[10]
+    assert last <= 1.3 * first, (first, last)

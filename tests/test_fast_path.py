@@ -196,3 +196,30 @@ def test_gpu_check_script_dry_run_on_cpu(tmp_path, capsys):
         assert 0.8 * row["round"] <= row["stage_sum"] <= row["round"] * 1.001
     assert bundled["tokens_per_second"]["generate"] > 0
     assert "[PASS] dmtp" in capsys.readouterr().out
+
+
+def test_a_failed_graph_capture_warns_once_runs_eagerly_and_is_counted(monkeypatch):
+    from types import SimpleNamespace
+
+    from dmtp_hf.assistant.stats import SpecStats
+
+    calls = []
+    call = CUDAGraphCall(lambda x: calls.append(x) or "eager", lambda: [])
+    cuda_like = SimpleNamespace(is_cuda=True, shape=(2,), dtype=torch.float32)  # what __call__ reads of its inputs
+
+    def refuse(inputs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(call, "_capture", refuse)
+    with pytest.warns(RuntimeWarning, match="capture failed.*not permitted"):
+        assert call(cuda_like) == "eager"
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning: the stage now stays eager
+        assert call(cuda_like) == "eager"
+    assert len(calls) == 2 and call.failure and call.replays == 0
+    stats = SpecStats(7)
+    stats.record_graphs([call])
+    assert stats.to_dict()["cuda_graphs"] == {"captures": 0, "replays": 0, "failures": [call.failure]}
+    assert SpecStats.from_dict(stats.to_dict()).cuda_graphs["failures"] == [call.failure]

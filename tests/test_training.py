@@ -655,3 +655,36 @@ def test_resume_refuses_changed_settings_unless_allowed(tmp_path, target):
                       train_dataset=data)  # fmt: skip
     trainer.train()
     assert trainer.step == 4 and trainer.history[0]["step"] == 3
+
+
+def test_bf16_target_trains_fp32_masters_and_exports_in_the_targets_dtype(tmp_path, target_dir):
+    """A draft bound to a bf16 target (binding casts it) trains fp32 weights with fp32 Adam moments under bf16
+    autocast; the resumable checkpoint keeps them, the final export is in the target's dtype."""
+    bf16_target = load_target(target_dir, dtype=torch.bfloat16)
+    config = make_config(tmp_path, max_steps=2, save_every=2, mixed_precision="bf16")
+    trainer = Trainer(config, target=bf16_target, train_dataset=random_dataset(8, 24))
+    assert all(p.dtype == torch.float32 for p in trainer.draft.parameters())
+    trainer.train()
+    state = Path(config.output_dir) / "checkpoints" / "step-00000002" / "state"
+    weights = next(iter(state.glob("model*.safetensors")))
+    from safetensors.torch import load_file
+
+    assert {t.dtype for t in load_file(str(weights)).values()} == {torch.float32}
+    optimizer = torch.load(state / "optimizer.bin", weights_only=False)
+    moments = [v for s in optimizer["state"].values() for k, v in s.items() if k in ("exp_avg", "exp_avg_sq")]
+    assert moments and {m.dtype for m in moments} == {torch.float32}
+    final = Path(config.output_dir) / "final"
+    assert {t.dtype for t in load_file(str(final / "model.safetensors")).values()} == {torch.bfloat16}
+    assert DMTPDraftModel.from_pretrained(final, dtype="auto").dtype == torch.bfloat16
+
+
+def test_sharded_evaluation_runs_the_same_number_of_forwards_on_every_process():
+    """Under FSDP / ZeRO-3 every forward gathers weights from all processes: a process with one batch fewer would
+    leave the others waiting forever. Every process runs ceil(batches / P) forwards; the extra ones are dropped."""
+    from dmtp_hf.training.trainer import eval_batches
+
+    for num_batches, processes in [(3, 2), (5, 4), (1, 3), (4, 2)]:
+        plans = [eval_batches(num_batches, processes, rank) for rank in range(processes)]
+        assert len({len(plan) for plan in plans}) == 1  # the same number of forward calls everywhere
+        real = sorted(b for plan in plans for b, is_real in plan if is_real)
+        assert real == list(range(num_batches))  # every batch counted once

@@ -2,6 +2,7 @@
 
     python scripts/reproduce/bundle_drafts.py                 # outputs/drafts/{dmtp,dflash,dmtp-from-dflash}/final
     python scripts/reproduce/bundle_drafts.py --set tuned     # the tuned MTP head and the DMTP draft adapted to it
+    python scripts/reproduce/bundle_drafts.py --set d2        # the DFlash2 and DMTP(D2) drafts
     python scripts/reproduce/bundle_drafts.py --set smollm2   # outputs/smollm2/{mtp_head,dflash,dmtp} -> models/smollm2
 
 Each bundled folder holds ``config.json``, ``model.safetensors`` and ``training.json`` (steps, samples, CPU time,
@@ -36,6 +37,10 @@ SETS = {
     "tuned": [
         (OUTPUTS / "drafts" / "mtp_head" / "final_mtp_head", "mtp_head_tuned", "head"),
         (OUTPUTS / "drafts" / "dmtp_tuned" / "final", "dmtp_tuned", "draft"),
+    ],
+    "d2": [
+        (OUTPUTS / "drafts" / "dflash2" / "final", "dflash2", "draft"),
+        (OUTPUTS / "drafts" / "dmtp_d2" / "final", "dmtp_d2", "draft"),
     ],
     "smollm2": [
         (OUTPUTS / "smollm2" / "mtp_head" / "final_mtp_head", "smollm2/mtp_head", "head"),

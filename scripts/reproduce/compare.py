@@ -79,6 +79,13 @@ def bundle(name: str) -> Bundle:
         variants.append("dmtp-tuned")
         heads["tuned MTP head"] = tuned_head
         bench_methods.insert(0, "dmtp-tuned")
+        # The DFlash2 backbone: DFlash2 alone and DMTP(D2) on the tuned head (the blog's best configuration).
+        d2 = {"dflash2": MODELS / "dflash2", "dmtp-d2": MODELS / "dmtp_d2"}
+        if all((folder / "config.json").is_file() for folder in d2.values()):
+            models += ["--extra-draft", f"dflash2={d2['dflash2']}", "--extra-draft", f"dmtp-d2={d2['dmtp-d2']}@tuned"]
+            methods += list(d2)
+            drafts.update(d2)
+            bench_methods[1:1] = ["dmtp-d2", "dflash2"]
     return Bundle(
         title="native MTP vs DFlash vs DMTP on a small Qwen3.5-architecture target",
         models=models,
@@ -312,6 +319,38 @@ def _versus_dflash(evaluation: dict, rows: list[tuple], variants: list[str]) -> 
     return lines
 
 
+BLOG_COLUMNS = [("MTP-4", "mtp4@tuned"), ("DFlash", "dflash"), ("DMTP(D)", "dmtp-tuned"), ("DFlash2", "dflash2"),
+                ("DMTP(D2)", "dmtp-d2")]  # fmt: skip
+
+
+def _blog_table(evaluation: dict, rows: list[tuple]) -> list[str]:
+    """The DMTP blog's §8 layout: the five columns, the two DMTP gains, first-candidate acceptance, speedups."""
+    tau = "acceptance_length_per_request"
+    lines = [
+        "",
+        "### The blog's open-weight table (§8 layout)",
+        "",
+        "τ per request; gains of DMTP(D) over DFlash and of DMTP(D2) over DFlash2; first-candidate acceptance and "
+        "wall-clock speedup over plain `generate` per column (MTP-4 and both DMTP drafts on the tuned MTP head).",
+        "",
+        "| Workload | " + " | ".join(f"τ {name}" for name, _ in BLOG_COLUMNS)
+        + " | DMTP(D) vs DFlash | DMTP(D2) vs DFlash2 | first-cand. " + " / ".join(n for n, _ in BLOG_COLUMNS)
+        + " | speedup " + " / ".join(n for n, _ in BLOG_COLUMNS) + " |",
+        "| --- " * (len(BLOG_COLUMNS) + 5) + "|",
+    ]  # fmt: skip
+    for key, display, *_ in [*rows, ("overall", "All")]:
+        entries = evaluation["overall"] if key == "overall" else evaluation["results"][key]
+        e = {name: entries[label] for name, label in BLOG_COLUMNS}
+        gain = [100 * (e[a][tau] / e[b][tau] - 1) for a, b in (("DMTP(D)", "DFlash"), ("DMTP(D2)", "DFlash2"))]
+        firsts = " / ".join(f"{100 * e[n]['first_candidate_acceptance']:.1f}%" for n, _ in BLOG_COLUMNS)
+        speeds = " / ".join(f"{_f(e[n].get('speedup'))}×" for n, _ in BLOG_COLUMNS)
+        lines.append(
+            f"| {display} | " + " | ".join(_f(e[n][tau]) for n, _ in BLOG_COLUMNS)
+            + f" | {gain[0]:+.1f}% | {gain[1]:+.1f}% | {firsts} | {speeds} |"
+        )  # fmt: skip
+    return lines
+
+
 def _bench_table(bench: dict) -> list[str]:
     sizes = bench["settings"]["batch_sizes"]
     lines = [
@@ -338,6 +377,9 @@ def summary_markdown(evaluation: dict, bench: dict | None, counts: dict[str, int
     rows = [(d["name"], d["display_name"], d["num_prompts"], d["num_turns"]) for d in evaluation["datasets"]]
     lines = _header(evaluation, counts, args) + _budget_table(budget) + _summary_table(evaluation, rows)
     lines += _versus_dflash(evaluation, rows, args.bundle.dmtp_variants)
+    labels = {s["label"] for s in evaluation["strategies"]}
+    if {"dflash2", "dmtp-d2", "dmtp-tuned", "mtp4@tuned"} <= labels:
+        lines += _blog_table(evaluation, rows)
     if args.analysis.is_file():
         lines += ["", "## Findings", "", args.analysis.read_text().strip()]
     lines += ["", "![acceptance length](acceptance_length.png)", "",

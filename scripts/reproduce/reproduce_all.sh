@@ -43,5 +43,11 @@ $DMTP train --config configs/bundled-mtp-head.yaml > outputs/drafts/train-mtp-he
 $DMTP train --config configs/bundled-dmtp-tuned.yaml > outputs/drafts/train-dmtp-tuned.log 2>&1
 $PY scripts/reproduce/bundle_drafts.py --set tuned
 
+# 5c. the DFlash2 backbone: DFlash2 (as DFlash) and DMTP(D2) on the tuned head (as the tuned DMTP), in parallel
+OMP_NUM_THREADS=1 $DMTP train --config configs/bundled-dflash2.yaml > outputs/drafts/train-dflash2.log 2>&1 &
+OMP_NUM_THREADS=1 $DMTP train --config configs/bundled-dmtp-d2.yaml > outputs/drafts/train-dmtp-d2.log 2>&1 &
+wait
+$PY scripts/reproduce/bundle_drafts.py --set d2
+
 # 6. the comparison: reports/bundled/ (README.md, eval.json/md, bench.json, plots)
 $PY scripts/reproduce/compare.py

@@ -12,15 +12,6 @@ from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
-_POOLS: dict[torch.device, object] = {}
-
-
-def _shared_pool(device: torch.device):
-    """One memory pool per device for every captured stage (graphs replay one at a time, never concurrently)."""
-    if device not in _POOLS:
-        _POOLS[device] = torch.cuda.graph_pool_handle()
-    return _POOLS[device]
-
 
 class CUDAGraphCall:
     """Call ``fn`` through CUDA graphs captured once per input signature (shapes and dtypes, e.g. per batch size).
@@ -59,6 +50,7 @@ class CUDAGraphCall:
             try:
                 entry = self._capture(inputs)
             except RuntimeError as err:  # an op that cannot be captured (host sync, dynamic shape): stay eager
+                # once per stage (the stage stays eager afterwards); spec_stats.cuda_graphs reports it too
                 warnings.warn(f"CUDA graph capture failed, running eagerly: {err}", RuntimeWarning, stacklevel=2)
                 self.enabled, self.failure = False, str(err)
                 return self.fn(*inputs)
@@ -89,7 +81,9 @@ class CUDAGraphCall:
                     restore()
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=_shared_pool(inputs[0].device)):
+            # Its own memory pool: a pool shared between stages is only safe while each graph's outputs are consumed
+            # before another graph replays, which nothing here could check.
+            with torch.cuda.graph(graph):
                 outputs = self.fn(*static_inputs)
         finally:
             restore()  # the state is as before the call whatever happened (capture itself runs no kernel)

@@ -178,8 +178,9 @@ def target_cache(target, cache: Cache | None, batch_size: int, max_length: int, 
     return cache
 
 
-def close(runner: TargetRunner, state: TargetCacheState | None, streamer) -> None:
-    """Detach every hook from the target and end the stream, whatever happened."""
+def close(runner: TargetRunner, state: TargetCacheState | None, streamer, drafter: Drafter, stats: SpecStats) -> None:
+    """Detach every hook from the target and end the stream, whatever happened; count the graphed stages."""
+    stats.record_graphs(drafter.graph_calls())
     runner.close()
     if state is not None:
         state.close()
@@ -257,7 +258,7 @@ def speculative_decode(
                 if not batch.done:
                     drafter.advance(step, stats)
     finally:
-        close(runner, state, streamer)
+        close(runner, state, streamer, drafter, stats)
     return batch.sequences(input_ids, stopping.budget(batch)), stats
 
 

@@ -180,6 +180,10 @@ class Drafter:
         """Keep only batch ``rows`` (finished sequences leave the batch); ``False`` if this drafter cannot."""
         return False
 
+    def graph_calls(self) -> list:
+        """The drafter's CUDA-graphed stages (`CUDAGraphCall`), for their counters (none by default)."""
+        return []
+
 
 class DrafterWrapper(Drafter):
     """Base for drafters that adjust another drafter's proposals (e.g. constrain or corrupt them for tests and
@@ -213,6 +217,10 @@ class DrafterWrapper(Drafter):
     def select_rows(self, rows: torch.Tensor, rows_host: list[int]) -> bool:
         """Forwarded to the inner drafter (override to also select the wrapper's own per-row state)."""
         return self.inner.select_rows(rows, rows_host)
+
+    def graph_calls(self) -> list:
+        """The inner drafter's graphed stages."""
+        return self.inner.graph_calls()
 
 
 class _StatefulDrafter(Drafter):

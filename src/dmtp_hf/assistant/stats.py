@@ -58,6 +58,8 @@ class SpecStats:
         self.strategy = strategy
         self.requests: list[RequestStats] = []
         self.stage_seconds: dict[str, float] = defaultdict(float)
+        # CUDA-graphed stages of the fast path: captures, replays and capture failures (each one also warned once)
+        self.cuda_graphs: dict[str, Any] = {"captures": 0, "replays": 0, "failures": []}
         self.sync_device: torch.device | None = None  # set by `profile=True`: every stage synchronises on CUDA
 
     # -- recording -------------------------------------------------------------------------------------------------
@@ -84,6 +86,12 @@ class SpecStats:
                 torch.cuda.synchronize(sync_device)
             self.stage_seconds[name] += time.perf_counter() - start
 
+    def record_graphs(self, calls) -> None:
+        """Add the counters of a drafter's graphed stages (`CUDAGraphCall`s) after a call."""
+        self.cuda_graphs["captures"] += sum(c.captures for c in calls)
+        self.cuda_graphs["replays"] += sum(c.replays for c in calls)
+        self.cuda_graphs["failures"] += [c.failure for c in calls if c.failure]
+
     def merge(self, other: SpecStats) -> SpecStats:
         """Add another run's requests and stage times to this one (same candidate budget)."""
         if other.num_candidates != self.num_candidates:
@@ -91,6 +99,9 @@ class SpecStats:
         self.requests.extend(other.requests)
         for key, value in other.stage_seconds.items():
             self.stage_seconds[key] += value
+        for key in ("captures", "replays"):
+            self.cuda_graphs[key] += other.cuda_graphs[key]
+        self.cuda_graphs["failures"] += other.cuda_graphs["failures"]
         return self
 
     # -- metrics ---------------------------------------------------------------------------------------------------
@@ -162,6 +173,7 @@ class SpecStats:
             "cumulative_acceptance": self.cumulative_acceptance,
             "conditional_acceptance": self.conditional_acceptance,
             "stage_seconds": dict(self.stage_seconds),
+            "cuda_graphs": {**self.cuda_graphs, "failures": list(self.cuda_graphs["failures"])},
             "requests": [{"rounds": r.rounds, "round_tokens": r.round_tokens, "hist": r.hist} for r in self.requests],
         }
 
@@ -177,6 +189,9 @@ class SpecStats:
             request.hist = [int(c) for c in entry["hist"]]
         for key, value in (data.get("stage_seconds") or {}).items():
             stats.stage_seconds[key] += float(value)
+        graphs = data.get("cuda_graphs") or {}
+        stats.cuda_graphs = {"captures": int(graphs.get("captures", 0)), "replays": int(graphs.get("replays", 0)),
+                             "failures": list(graphs.get("failures", []))}  # fmt: skip
         return stats
 
     def summary(self) -> str:

@@ -16,7 +16,8 @@ class RowStopping:
     EOS and the token budget are enforced on the device (a round's tokens are clipped after the first EOS). The
     other criteria (stop strings, custom ones) are evaluated after every committed token, on exactly the
     ``input_ids`` and processed ``scores`` plain ``generate`` would pass them (``processing.RowCriteria``); that
-    costs a host synchronisation per round, only when there are such criteria.
+    costs two host synchronisations per round, only when there are such criteria: the round's counts (each row's
+    inputs are built on the host) and the criteria's verdicts.
     """
 
     def __init__(

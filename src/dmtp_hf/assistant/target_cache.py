@@ -69,8 +69,9 @@ class TargetCacheState:
         self.rollback = rollback
         self.replay_forward = replay_forward  # (input_ids, positions) -> None: a target forward (replay only)
         self._verified: tuple[torch.Tensor, torch.Tensor] | None = None  # the verify's (ids, positions)
-        self.valid = valid.bool()  # [B, T]
-        self.all_valid = bool(self.valid.all())  # host flag: no row has a hidden slot (no mask needed)
+        self._valid = valid.bool()  # [B, capacity]: slots [0, length) mirror the cache; grown by doubling
+        self.length = valid.shape[1]
+        self.all_valid = bool(self._valid.all())  # host flag: no row has a hidden slot (no mask needed)
         self.linear_layers = [layer for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
         self.attention_layers = [
             layer
@@ -89,6 +90,21 @@ class TargetCacheState:
             for layer in self.linear_layers:
                 layer.activate_past_recording()  # conv inputs are kept until `commit` picks each row's window
             self.after_prefill()
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """``[B, T]`` which cache slots are committed history (a view: appends write in place)."""
+        return self._valid[:, : self.length]
+
+    def _append(self, slots: torch.Tensor) -> None:
+        """Append ``[B, n]`` validity flags in place (amortised O(n): the buffer doubles when full)."""
+        end = self.length + slots.shape[1]
+        if end > self._valid.shape[1]:
+            grown = self._valid.new_zeros(self._valid.shape[0], max(end, 2 * self._valid.shape[1]))
+            grown[:, : self.length] = self.valid
+            self._valid = grown
+        self._valid[:, self.length : end] = slots
+        self.length = end
 
     def close(self) -> None:
         """Remove the rollback's hooks from the target."""
@@ -144,7 +160,7 @@ class TargetCacheState:
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only batch ``rows`` of the cache (finished sequences leave the batch)."""
         self.cache.reorder_cache(rows)
-        self.valid = self.valid[rows]
+        self._valid = self._valid[rows]
 
     def commit(self, kept: torch.Tensor, kept_host: list[int]) -> None:
         """Keep the first ``kept[b]`` (>= 1) of the tokens the last verify appended for row b.
@@ -156,8 +172,8 @@ class TargetCacheState:
         if self.rollback == "replay" and self.linear_layers:
             self._commit_replay(kept_host[0], num_processed)
             return
-        steps = torch.arange(num_processed, device=self.valid.device)
-        self.valid = torch.cat([self.valid, steps[None] < kept[:, None]], dim=1)
+        steps = torch.arange(num_processed, device=self._valid.device)
+        self._append(steps[None] < kept[:, None])
         self.all_valid = self.all_valid and min(kept_host) == max(kept_host)
         if self.rebuild is not None:
             self.rebuild.commit(kept, all_kept=min(kept_host) == num_processed)
@@ -165,8 +181,7 @@ class TargetCacheState:
         trailing = num_processed - max(kept_host)
         for layer in self.attention_layers:
             crop_attention(layer, trailing)  # a no-op at 0 except for sliding windows, which it trims
-        if trailing > 0:
-            self.valid = self.valid[:, :-trailing]
+        self.length -= trailing
 
     def _commit_replay(self, num_kept: int, num_processed: int) -> None:
         if num_kept < num_processed:
@@ -180,5 +195,4 @@ class TargetCacheState:
             input_ids, positions = self._verified
             self.replay_forward(input_ids[:, :num_kept], positions[:, :num_kept])
         self._snapshot = None
-        kept_slots = torch.ones(1, num_kept, dtype=torch.bool, device=self.valid.device)
-        self.valid = torch.cat([self.valid, kept_slots], dim=1)
+        self._append(torch.ones(1, num_kept, dtype=torch.bool, device=self._valid.device))

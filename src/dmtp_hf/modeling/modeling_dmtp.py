@@ -329,13 +329,14 @@ class DMTPDraftModel(DMTPPreTrainedModel):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Target embedding of ``input_ids`` times ``dflash_config.input_embedding_scale`` (default 1)."""
-        embeds = self.target_embedding(input_ids)
+        # In the draft's dtype: the same as the target's at inference (bind casts), fp32 masters in training
+        embeds = self.target_embedding(input_ids).to(self.norm.weight.dtype)
         scale = self.config.dflash_config.get("input_embedding_scale")
         return embeds * scale if scale not in (None, 1, 1.0) else embeds
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Draft logits through the target LM head, with DFlash's optional output multiplier and softcap."""
-        logits = self.target_head(hidden_states)
+        logits = self.target_head(hidden_states.to(self.target_head.weight.dtype))
         multiplier = self.config.dflash_config.get("output_multiplier")
         if multiplier not in (None, 1, 1.0):
             logits = logits * multiplier

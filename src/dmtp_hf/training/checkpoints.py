@@ -84,7 +84,7 @@ class CheckpointMixin:
             "config": self.config.to_dict(),
         }
 
-    def _save_models(self, draft_dir: Path | None, head_dir: Path | None, state_dict: dict | None) -> None:
+    def _save_models(self, draft_dir: Path | None, head_dir: Path | None, state_dict: dict | None, dtype=None) -> None:
         """The draft (when one is trained) to ``draft_dir`` and the MTP head (when trained) to ``head_dir``."""
         objective = self.unwrapped_objective
         joint = isinstance(objective, JointObjective)
@@ -97,7 +97,7 @@ class CheckpointMixin:
             weights = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
         head = self.trained_head if head_dir is not None else None
         save_models(draft, head, self.target, draft_dir=draft_dir, head_dir=head_dir, step=self.step,
-                    draft_state_dict=weights)  # fmt: skip
+                    draft_state_dict=weights, dtype=dtype)  # fmt: skip
 
     def export(self, directory: str | os.PathLike, head_directory: str | os.PathLike | None = None) -> None:
         """Write what was trained, each atomically with a ``training.json``: the draft as a plain `DMTPDraftModel`
@@ -107,8 +107,8 @@ class CheckpointMixin:
         if self.accelerator.is_main_process:
             record = json.dumps(self.training_record(), indent=2) + "\n"
             if self.config.train_mtp_head != "only":
-                with atomic_directory(directory) as tmp:
-                    self._save_models(tmp, None, state_dict)
+                with atomic_directory(directory) as tmp:  # fp32 masters, exported in the target's dtype
+                    self._save_models(tmp, None, state_dict, dtype=self.target.get_input_embeddings().weight.dtype)
                     (tmp / "training.json").write_text(record)
             if self.trained_head is not None:
                 with atomic_directory(head_directory or f"{directory}_mtp_head") as tmp:

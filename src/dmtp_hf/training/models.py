@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -116,15 +117,24 @@ def save_models(
     head_dir: str | os.PathLike | None,
     step: int,
     draft_state_dict: dict[str, torch.Tensor] | None = None,
+    dtype: torch.dtype | None = None,
 ) -> None:
     """Write the trained draft (a plain `DMTPDraftModel` checkpoint) and the trained MTP head (the target's own names,
     ``load_native_mtp(target, checkpoint=head_dir)``), LoRA merged. ``draft_state_dict``: the draft's weights as
-    gathered from sharded training (FSDP/DeepSpeed); ``None`` = the module's own."""
+    gathered from sharded training (FSDP/DeepSpeed); ``None`` = the module's own. ``dtype``: the draft's weights
+    cast to it (the final export is in the target's dtype; training keeps fp32 masters)."""
     if draft is not None:
         if hasattr(draft, "merge_and_unload") or draft_state_dict is None:
-            merged_copy(draft).save_pretrained(draft_dir)
-        else:
-            draft.save_pretrained(draft_dir, state_dict=draft_state_dict)
+            draft, draft_state_dict = merged_copy(draft), None
+        weights = draft_state_dict if draft_state_dict is not None else draft.state_dict()
+        if dtype is not None:
+            weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()}
+        draft.save_pretrained(draft_dir, state_dict=weights)
+        if dtype is not None:  # save_pretrained records the module's own (fp32 master) dtype
+            config_file = Path(draft_dir) / "config.json"
+            config = json.loads(config_file.read_text())
+            config["dtype"] = str(dtype).removeprefix("torch.")
+            config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if head is not None:
         head_dir = Path(head_dir)
         save_mtp_head(merged_copy(head), head_dir / "head", target, training_steps=step)

@@ -246,6 +246,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--enable-thinking", choices=["true", "false", "unset"], default="unset")
     parser.add_argument("--limit", type=int, default=None, help="stop after this many records in total")
     parser.add_argument("--device", default=None)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="auto: the checkpoint's dtype on GPU, float32 on CPU (bf16 is slow there)")  # fmt: skip
     args = parser.parse_args(argv)
     thinking = {"true": True, "false": False, "unset": None}[args.enable_thinking]
     if args.endpoint:
@@ -262,7 +264,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    target = load_target(args.target, dtype="auto", device=device)
+    dtype = args.dtype if args.dtype != "auto" or torch.device(device).type != "cpu" else "float32"
+    target = load_target(args.target, dtype=dtype if dtype == "auto" else getattr(torch, dtype), device=device)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.target)
     n = regenerate(
         target, tokenizer, args.input, args.output, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,

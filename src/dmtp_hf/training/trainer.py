@@ -42,7 +42,7 @@ from .mtp_objective import JointObjective, MTPHeadObjective, mtp_positions
 from .objective import DMTPTrainingObjective, anchor_scores, plan_blocks
 from .schedule import StepSchedule
 
-__all__ = ["StepCallback", "Trainer", "main"]
+__all__ = ["StepCallback", "Trainer", "eval_batches", "main"]
 
 
 StepCallback = Callable[["Trainer", int, dict[str, float]], None]
@@ -148,6 +148,9 @@ class Trainer(CheckpointMixin):
         config = self.config
         set_seed(config.seed)
         draft = build_draft(config, self.target, native_mtp=self.mtp_head)
+        # fp32 master weights whatever the target's dtype (binding cast the draft to it): AdamW on bf16 weights loses
+        # small updates; autocast (mixed_precision) computes in bf16, the export is cast back to the target's dtype.
+        draft.float()
         draft.set_attn_implementation(config.attn_implementation)
         if config.gradient_checkpointing:
             draft.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -362,14 +365,14 @@ class Trainer(CheckpointMixin):
         acc, size = self.accelerator, self.config.eval_batch_size
         self.objective.eval()
         outputs = []
-        batches = range(0, len(dataset), size)
-        for b, start in enumerate(batches):
-            if b % acc.num_processes != acc.process_index:
-                continue
-            indices = range(start, min(start + size, len(dataset)))
+        num_batches = math.ceil(len(dataset) / size)
+        for b, real in eval_batches(num_batches, acc.num_processes, acc.process_index):
+            indices = range(b * size, min((b + 1) * size, len(dataset)))
             samples = [self._sample(dataset, i) for i in indices]
             scores = anchor_scores(self.config.seed, -1 - b, len(samples), self.config.max_length)
-            outputs.append(self.objective(**self._prepare_micro_batch(samples, scores)))
+            out = self.objective(**self._prepare_micro_batch(samples, scores))
+            if real:
+                outputs.append(out)
         objective = self.unwrapped_objective
         # A process without an eval batch contributes zeros of the right shape.
         vector = objective.metric_vector(outputs) if outputs else objective.empty_metric_vector(acc.device)
@@ -402,6 +405,15 @@ class Trainer(CheckpointMixin):
             "last_eval": self.last_eval,
             "config": config.to_dict(),
         }
+
+
+def eval_batches(num_batches: int, num_processes: int, process_index: int) -> list[tuple[int, bool]]:
+    """``(batch index, real)`` for one process: batches ``b % P == r``, then dummy repeats of batch 0 (their outputs
+    dropped) so that every process runs the same number of forwards. FSDP and ZeRO-3 gather weights inside every
+    forward: uneven counts would leave a process waiting forever."""
+    per_process = math.ceil(num_batches / num_processes)
+    indices = [i * num_processes + process_index for i in range(per_process)]
+    return [(b, True) if b < num_batches else (0, False) for b in indices]
 
 
 def _postfix(metrics: dict[str, float]) -> dict[str, str]:
