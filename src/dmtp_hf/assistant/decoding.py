@@ -217,7 +217,9 @@ def speculative_decode(
     cache = target_cache(target, cache, input_ids.shape[0], max_length, drafter.num_candidates)
     stats = stats if stats is not None else SpecStats(drafter.num_candidates, drafter.name)
     stats.sync_device, requests = input_ids.device if profile else None, [stats.new_request() for _ in input_ids]
-    select = TokenSelector(logits_processor, mode == "rejection" if draft_sampling is None else draft_sampling)
+    select = TokenSelector(
+        logits_processor, mode in ("rejection", "block") if draft_sampling is None else draft_sampling
+    )
     processors = RowProcessors(logits_processor, input_ids)  # each row's inputs exactly as plain generate's
     stopping = RowStopping(input_ids, stopping_criteria, eos_token_id, pad_token_id)
     runner, state = TargetRunner(target, drafter, cache), None

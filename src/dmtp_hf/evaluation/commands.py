@@ -94,7 +94,9 @@ def _add_common(parser: argparse.ArgumentParser, default_output: str) -> None:
     work.add_argument("--max-new-tokens", type=int, default=1024, help="per turn (default 1024)")
     work.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     work.add_argument(
-        "--verify-mode", choices=["greedy", "match", "rejection"], help="default: greedy at T=0, match otherwise"
+        "--verify-mode",
+        choices=["greedy", "match", "rejection", "block"],
+        help="default: greedy at T=0, match otherwise",
     )
     work.add_argument("--no-chat-template", action="store_true", help="feed raw prompts (no chat template)")
     work.add_argument("--enable-thinking", action="store_true", help="render the chat template with thinking on")
