@@ -1,6 +1,7 @@
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from dmtp_hf import DMTPConfig, DMTPDraftModel
 from dmtp_hf.testing.tiny_targets import FAMILIES, load_tiny_target, make_tiny_target
@@ -92,3 +93,63 @@ def vocab6(tmp_path_factory):
         target.lm_head.weight.mul_(6.0)
     target.generation_config.eos_token_id = None
     return target
+
+
+# The evaluation models: a tiny tokenizer and saved checkpoints the CLI can load
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{%- if enable_thinking is defined and enable_thinking is false %}<think> </think>\n{%- endif %}{%- endif %}"
+)
+WORDS = (
+    "the a of to and is in what how many write python function number if you are for with that this it be on by "
+    "as can your + = ? . , $ ( ) : 1 2 3 4 5 0 def return list x y n each has more than his her their they we "
+    "<think> </think> user assistant"
+).split()
+SPECIALS = ["<|endoftext|>", "<|im_end|>", "<|im_start|>", "[UNK]"]  # <|im_end|> = 1 = the tiny target's EOS
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {token: i for i, token in enumerate(SPECIALS + WORDS)}
+    assert len(vocab) < 127  # 127 is the drafts' mask token
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.add_special_tokens(SPECIALS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="[UNK]",
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory):
+    """Tiny DeepSeek-V3 target (native MTP head; Transformers' use_mtp works on it) + tokenizer, a DMTP draft, a
+    DFlash draft and a tiny Qwen3 assistant sharing the vocabulary, all saved as checkpoints."""
+    root = tmp_path_factory.mktemp("eval_models")
+    target_dir = make_tiny_target("deepseek_v3", root / "target")
+    tokenizer = tiny_tokenizer()
+    tokenizer.save_pretrained(target_dir)
+    target = load_tiny_target(target_dir)
+    draft_for(target).save_pretrained(root / "dmtp")
+    draft_for(target, anchor_layout="dflash").save_pretrained(root / "dflash")
+    torch.manual_seed(2)
+    assistant = Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=128,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+            eos_token_id=1,
+            bos_token_id=0,
+        )
+    )
+    assistant.save_pretrained(root / "assistant")
+    tokenizer.save_pretrained(root / "assistant")
+    return root

@@ -33,6 +33,9 @@ from .stopping import RowStopping
 from .target_cache import TargetCacheState, static_capacity
 from .target_step import TargetStep
 from .verification import VERIFY_MODES, process_logits, select_tokens, verify
+from .widths import check_verify_length, width_policy
+
+SAMPLED_DRAFTS = ("rejection", "block")  # verification modes that need the distribution each candidate came from
 
 
 class TargetRunner:
@@ -88,7 +91,8 @@ def accept(verdict, candidates: torch.Tensor, scores: torch.Tensor, batch: Activ
     ``scores`` ``[B, K+1, V]``: the target's processed scores of the round's positions (stopping criteria read them).
     """
     accepted = verdict.num_accepted  # [B]
-    new_tokens = torch.cat([candidates, candidates[:, :1]], dim=1).scatter(1, accepted[:, None], verdict.bonus[:, None])
+    bonus = verdict.bonus[:, None]
+    new_tokens = torch.cat([candidates, bonus], dim=1).scatter(1, accepted[:, None], bonus)  # [B, k+1], k may be 0
     counts = torch.minimum(accepted + 1, stopping.budget(batch) - batch.num_generated)
     counts = torch.where(batch.finished, torch.zeros_like(counts), counts)
     counts, stop = stopping.clip(batch, new_tokens, counts, scores)
@@ -133,11 +137,14 @@ def report(requests: list[RequestStats], rows: list[int], host: RoundHost, round
             requests[row].round_tokens += count
 
 
-def check_inputs(target, verify_mode, do_sample: bool, input_ids: torch.Tensor, attention_mask, streamer) -> str:
+def check_inputs(
+    target, verify_mode, do_sample: bool, input_ids: torch.Tensor, attention_mask, streamer, verify_length=None
+) -> str:
     """The verification mode (default: ``rejection`` when sampling, else ``greedy``), after refusing, before any
     forward, what the engine cannot do losslessly: unknown or mismatched verification modes, right-padded batches,
-    ragged batches on a flash-attention-2 target, streaming a batch."""
+    ragged batches on a flash-attention-2 target, streaming a batch; and a ``verify_length`` it does not know."""
     mode = verify_mode or ("rejection" if do_sample else "greedy")
+    check_verify_length(verify_length)
     if streamer is not None and input_ids.shape[0] > 1:
         raise ValueError("Streaming supports batch size 1 only (as in Transformers).")
     if attention_mask is not None and not bool(attention_mask[:, -1].all()):
@@ -178,9 +185,19 @@ def target_cache(target, cache: Cache | None, batch_size: int, max_length: int, 
     return cache
 
 
+def start_drafter(drafter: Drafter, step: TargetStep, max_length: int, stats: SpecStats, verify_length, target) -> None:
+    """The drafter over the prompt, with its capacity for the call and its round widths (``verify_length``)."""
+    policy = width_policy(verify_length, target, drafter, step.positions.shape[0])  # "auto": times the target
+    with stats.stage("draft_prefill"):
+        drafter.width_policy = policy
+        drafter.reserve(max_length + 1)
+        drafter.start(step)
+
+
 def close(runner: TargetRunner, state: TargetCacheState | None, streamer, drafter: Drafter, stats: SpecStats) -> None:
-    """Detach every hook from the target and end the stream, whatever happened; count the graphed stages."""
+    """Detach every hook from the target and end the stream, whatever happened; count graphed stages and widths."""
     stats.record_graphs(drafter.graph_calls())
+    stats.record_widths(getattr(drafter, "width_policy", None))
     runner.close()
     if state is not None:
         state.close()
@@ -209,17 +226,16 @@ def speculative_decode(
     stats: SpecStats | None = None,
     profile: bool = False,
     outputs: StepOutputs | None = None,
+    verify_length: int | str | None = None,
 ) -> tuple[torch.Tensor, SpecStats]:
     """Generate after ``input_ids`` ``[B, P]`` (left-padded) with ``drafter``: ``(sequences, stats)`` as ``generate``
-    returns them. ``verify_mode``: ``greedy``, ``match``, ``rejection``; ``draft_sampling``: sample candidates (default:
-    for ``rejection``); ``rollback``: ``rebuild``/``replay``; ``profile``: stage times; ``outputs``: keep scores."""
-    mode = check_inputs(target, verify_mode, do_sample, input_ids, attention_mask, streamer)
+    returns them. ``verify_mode``: greedy, match, rejection, block; ``draft_sampling`` (default: for rejection/block);
+    ``rollback``: rebuild/replay; ``outputs``: keep scores; ``verify_length``: all K, a number, "auto", `AutoWidth`."""
+    mode = check_inputs(target, verify_mode, do_sample, input_ids, attention_mask, streamer, verify_length)
     cache = target_cache(target, cache, input_ids.shape[0], max_length, drafter.num_candidates)
     stats = stats if stats is not None else SpecStats(drafter.num_candidates, drafter.name)
     stats.sync_device, requests = input_ids.device if profile else None, [stats.new_request() for _ in input_ids]
-    select = TokenSelector(
-        logits_processor, mode in ("rejection", "block") if draft_sampling is None else draft_sampling
-    )
+    select = TokenSelector(logits_processor, mode in SAMPLED_DRAFTS if draft_sampling is None else draft_sampling)
     processors = RowProcessors(logits_processor, input_ids)  # each row's inputs exactly as plain generate's
     stopping = RowStopping(input_ids, stopping_criteria, eos_token_id, pad_token_id)
     runner, state = TargetRunner(target, drafter, cache), None
@@ -229,9 +245,7 @@ def speculative_decode(
                                          do_sample, rollback, streamer, outputs)  # fmt: skip
         select.for_batch(processors, batch)
         if not batch.done:
-            with stats.stage("draft_prefill"):
-                drafter.reserve(max_length + 1)
-                drafter.start(step)
+            start_drafter(drafter, step, max_length, stats, verify_length, target)
         with stats.stage("rounds"):  # every stage below runs inside; the stage times add up to this one
             while not batch.done:
                 # 1. Draft: up to K candidates per row after A, the last committed token.

@@ -254,10 +254,13 @@ class MTPState:
         return self.head.logits(self.last_hidden), self.last_hidden
 
     @torch.no_grad()
-    def propose(self, num_tokens: int, select: Select | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def propose(
+        self, num_tokens: int, select: Select | None = None, more: Callable[[int], bool] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """MTP-k drafting as vLLM/SGLang do it: step 1 is :meth:`predict`; each later step feeds (previous draft,
         previous ``g``) at the next position. Returns ``(draft_ids [B, k], draft_logits [B, k, V])``; the chained
-        entries are forgotten afterwards, so the committed state is unchanged."""
+        entries are forgotten afterwards, so the committed state is unchanged. ``more(j)``, asked after j steps,
+        may stop the chain early (adaptive MTP-k)."""
         if num_tokens < 1:
             raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
         select = select or (lambda logits: logits.argmax(dim=-1))
@@ -267,6 +270,8 @@ class MTPState:
         saved = self.kv.save()
         try:
             for step in range(1, num_tokens):
+                if more is not None and not more(step):
+                    break
                 positions = (position + step)[:, None]
                 self.kv.begin(None, 1)
                 self.kv.prepare(torch.ones_like(positions, dtype=torch.bool), positions)

@@ -11,6 +11,7 @@ shapes it runs at (CUDA-graph replays on CUDA with ``cuda_graphs``), never the p
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,6 +26,7 @@ from .processing import RowProcessors, process_flat, reads_input_ids
 from .stats import SpecStats
 from .target_step import TargetStep
 from .verification import select_tokens
+from .widths import AutoWidth, confidences
 
 Pick = Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # (slot, scores [B, V]) -> token, drawn from
 
@@ -222,13 +224,25 @@ class DrafterWrapper(Drafter):
         """The inner drafter's graphed stages."""
         return self.inner.graph_calls()
 
+    @property
+    def width_policy(self):
+        """The inner drafter's round width policy (set by the engine for ``verify_length``)."""
+        return getattr(self.inner, "width_policy", None)
+
+    @width_policy.setter
+    def width_policy(self, policy) -> None:
+        self.inner.width_policy = policy
+
 
 class _StatefulDrafter(Drafter):
-    """The drafter state of the strategies below: an MTP state, a DFlash context, or both."""
+    """The drafter state of the strategies below: an MTP state, a DFlash context, or both; and the round's width
+    when the engine sets a ``width_policy`` (``verify_length``: `widths.AutoWidth` or a fixed number)."""
 
     def __init__(self, fixed_shapes: bool, cuda_graphs: bool) -> None:
         self.fixed_shapes = fixed_shapes
         self.cuda_graphs = cuda_graphs
+        self.width_policy = None  # per call: `widths.AutoWidth`, an int, or None (every round K candidates)
+        self._confidence: torch.Tensor | None = None  # [B, k] of the last proposal (auto width learns from it)
         self.capacity: int | None = None  # slots per row with fixed shapes, set by `reserve`
         self.mtp: MTPState | None = None
         self.context: DFlashContext | None = None
@@ -259,6 +273,35 @@ class _StatefulDrafter(Drafter):
         state = current if reusable else kind(model, self.fixed_shapes, self.cuda_graphs)
         state.kv.limit = self.capacity
         return state
+
+    def _width(self, proposal: Proposal, stages: list[list[str]] | None = None) -> Proposal:
+        """The proposal cut to the round's width: the policy's choice from its candidates' confidences."""
+        policy = self.width_policy
+        if policy is None:
+            return proposal
+        if isinstance(policy, int):
+            return Proposal(proposal.tokens[:, :policy], proposal.scores[:, :policy])
+        conf = confidences(proposal.tokens, proposal.scores)
+        k = policy.best(policy.calibration(conf), stages or [[]] * (self.num_candidates + 1))
+        k = min(k, proposal.tokens.shape[1])
+        self._confidence = conf[:, :k]
+        policy.widths.append(k)
+        return Proposal(proposal.tokens[:, :k], proposal.scores[:, :k])
+
+    @contextlib.contextmanager
+    def _timed(self, stage: str):
+        """Auto width: the wall time of a drafter stage, for the cost model (what the policy weighs)."""
+        start = time.perf_counter()
+        yield
+        if isinstance(self.width_policy, AutoWidth):
+            self.width_policy.cost.update(stage, time.perf_counter() - start)
+
+    def _learn(self, step: TargetStep) -> None:
+        """Auto width: the round's acceptance (committed counts - 1) updates the policy's priors."""
+        if self._confidence is not None and step.num_valid is not None:
+            accepted = torch.tensor([max(c - 1, 0) for c in step.num_valid], device=self._confidence.device)
+            self.width_policy.observe(self._confidence, accepted)
+        self._confidence = None
 
     def graph_calls(self) -> list:
         """Every captured stage of the state."""
@@ -300,13 +343,14 @@ class DFlashDrafter(_StatefulDrafter):
 
     def propose(self, anchor_ids, anchor_positions, select, stats, max_candidates=None) -> Proposal:
         """``[A, MASK x K]`` -> up to K candidates."""
-        with stats.stage("dflash"):
+        with stats.stage("dflash"), self._timed("dflash"):
             hidden, logits = self.context.block_outputs(self.draft.block_embeddings(anchor_ids), anchor_positions)
             tokens, scores = block_candidates(self.draft, hidden, logits, anchor_ids, select, limit=max_candidates)
-        return Proposal(tokens, scores)
+        return self._width(Proposal(tokens, scores))
 
     def advance(self, step: TargetStep, stats: SpecStats | None = None) -> None:
         """Queue the accepted positions' features."""
+        self._learn(step)
         self.context.add(step)
 
 
@@ -344,12 +388,28 @@ class MTPDrafter(_StatefulDrafter):
             scores.append(score[:, 0])
             return token[:, 0]
 
+        last = [time.perf_counter()]
+
+        def more(steps: int) -> bool:  # auto width: chain one more step only while it pays for itself
+            policy = self.width_policy
+            if not isinstance(policy, AutoWidth):
+                return True
+            now = time.perf_counter()
+            if steps > 1:  # the time since the last call is one chain step
+                policy.cost.update("mtp_step", now - last[0])
+            last[0] = now
+            known = policy.calibration(confidences(torch.stack(chosen, 1), torch.stack(scores, 1)))
+            return policy.best(known, [["mtp_step"] * k for k in range(self.num_candidates + 1)]) > steps
+
         with stats.stage("mtp"), torch.no_grad():
-            tokens, _ = self.mtp.propose(min(self.num_candidates, max_candidates or self.num_candidates), select_step)
-        return Proposal(tokens, torch.stack(scores, dim=1))
+            limit = min(self.num_candidates, max_candidates or self.num_candidates)
+            tokens, _ = self.mtp.propose(limit, select_step, more)
+        proposal = Proposal(tokens, torch.stack(scores, dim=1))
+        return self._width(proposal, [["mtp_step"] * k for k in range(self.num_candidates + 1)])
 
     def advance(self, step: TargetStep, stats: SpecStats | None = None) -> None:
         """Commit the accepted pairs to the MTP state."""
+        self._learn(step)
         with _stage(stats, "mtp"), torch.no_grad():
             self.mtp.advance(step)
 
@@ -387,20 +447,32 @@ class DMTPDrafter(_StatefulDrafter):
 
     def propose(self, anchor_ids, anchor_positions, select, stats, max_candidates=None) -> Proposal:
         """T1 from the cached MTP hidden, fusion, one DFlash forward for T2..T7 (none when only T1 is wanted)."""
+        # with auto width: DFlash runs only when the rest of the block is expected to pay for its forward
+        dflash = [[]] * 2 + [["dflash"]] * (self.num_candidates - 1)
         with stats.stage("t1_fusion"):
             t1_logits, mtp_hidden = self.mtp.predict()  # the MTP hidden that predicted T1
             t1, t1_scores = select(t1_logits[:, None])
-            if max_candidates == 1:
-                return Proposal(t1, t1_scores)
+            if max_candidates == 1 or self.width_policy in (0, 1) or self._skip_dflash(t1, t1_scores, dflash):
+                return self._width(Proposal(t1, t1_scores))
             block = self.draft.block_embeddings(anchor_ids, t1[:, 0], mtp_hidden)  # [A, T1 + fusion, MASK x 6]
-        with stats.stage("dflash"):
+        with stats.stage("dflash"), self._timed("dflash"):
             hidden, logits = self.context.block_outputs(block, anchor_positions)  # T2..T7
             limit = None if max_candidates is None else max_candidates - 1
             rest, rest_scores = block_candidates(self.draft, hidden, logits, t1[:, 0], select, t1, limit)
-        return Proposal(torch.cat([t1, rest], dim=1), torch.cat([t1_scores, rest_scores], dim=1))
+        return self._width(Proposal(torch.cat([t1, rest], dim=1), torch.cat([t1_scores, rest_scores], dim=1)))
+
+    def _skip_dflash(self, t1: torch.Tensor, t1_scores: torch.Tensor, stages: list[list[str]]) -> bool:
+        """Auto width, from T1's confidence alone: is a round of T1 (or nothing) the best bet? (DFlash skipped.)"""
+        policy = self.width_policy
+        if not isinstance(policy, AutoWidth):
+            return False
+        skip = policy.best(policy.calibration(confidences(t1, t1_scores)), stages) <= 1
+        policy.skipped += skip
+        return skip
 
     def advance(self, step: TargetStep, stats: SpecStats | None = None) -> None:
         """Commit accepted pairs to the MTP state (its next ``g`` predicts the next T1); queue DFlash context."""
+        self._learn(step)
         self.context.add(step)
         with _stage(stats, "mtp"), torch.no_grad():
             self.mtp.advance(step)

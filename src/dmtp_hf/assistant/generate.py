@@ -118,6 +118,7 @@ def dmtp_custom_generate(
     dmtp_drafter: Drafter | None = None,
     dmtp_streamer=None,
     dmtp_verify_mode: str | None = None,
+    dmtp_verify_length: int | str | None = None,
     dmtp_draft_sampling: bool | None = None,
     dmtp_profile: bool = False,
     **model_kwargs,
@@ -151,6 +152,7 @@ def dmtp_custom_generate(
         eos_token_id=generation_config._eos_token_tensor,
         cache=cache,
         verify_mode=dmtp_verify_mode,
+        verify_length=dmtp_verify_length,
         draft_sampling=dmtp_draft_sampling,
         streamer=dmtp_streamer,
         profile=dmtp_profile,
@@ -177,6 +179,7 @@ def generate(
     profile: bool = False,
     streamer=None,
     fast_path: bool = False,
+    verify_length: int | str | None = None,
     **generate_kwargs: Any,
 ):
     """Speculative ``generate`` with a DMTP draft, a DFlash draft or a native MTP head, via ``custom_generate``.
@@ -191,5 +194,6 @@ def generate(
             f"Cannot draft with {type(assistant).__name__}; pass a DMTPDraftModel, NativeMTPHead or Drafter."
         )
     original = getattr(target, ROUTER_ORIGINAL, target.generate)
-    options = {"dmtp_verify_mode": verify_mode, "dmtp_draft_sampling": draft_sampling, "dmtp_profile": profile}
+    options = {"dmtp_verify_mode": verify_mode, "dmtp_draft_sampling": draft_sampling, "dmtp_profile": profile,
+               "dmtp_verify_length": verify_length}  # fmt: skip
     return original(input_ids, **engine_kwargs(target, drafter, streamer, generate_kwargs, **options))

@@ -60,6 +60,9 @@ class SpecStats:
         self.stage_seconds: dict[str, float] = defaultdict(float)
         # CUDA-graphed stages of the fast path: captures, replays and capture failures (each one also warned once)
         self.cuda_graphs: dict[str, Any] = {"captures": 0, "replays": 0, "failures": []}
+        # verify_length="auto": rounds per chosen width, and rounds that ran no draft forward beyond T1
+        self.verify_widths: dict[int, int] = defaultdict(int)
+        self.skipped_drafts = 0
         self.sync_device: torch.device | None = None  # set by `profile=True`: every stage synchronises on CUDA
 
     # -- recording -------------------------------------------------------------------------------------------------
@@ -86,6 +89,12 @@ class SpecStats:
                 torch.cuda.synchronize(sync_device)
             self.stage_seconds[name] += time.perf_counter() - start
 
+    def record_widths(self, policy) -> None:
+        """Add the widths an auto-width policy chose (and its skipped draft forwards) after a call."""
+        for width in getattr(policy, "widths", ()):
+            self.verify_widths[width] += 1
+        self.skipped_drafts += getattr(policy, "skipped", 0)
+
     def record_graphs(self, calls) -> None:
         """Add the counters of a drafter's graphed stages (`CUDAGraphCall`s) after a call."""
         self.cuda_graphs["captures"] += sum(c.captures for c in calls)
@@ -102,6 +111,9 @@ class SpecStats:
         for key in ("captures", "replays"):
             self.cuda_graphs[key] += other.cuda_graphs[key]
         self.cuda_graphs["failures"] += other.cuda_graphs["failures"]
+        for width, count in other.verify_widths.items():
+            self.verify_widths[width] += count
+        self.skipped_drafts += other.skipped_drafts
         return self
 
     # -- metrics ---------------------------------------------------------------------------------------------------
@@ -174,6 +186,8 @@ class SpecStats:
             "conditional_acceptance": self.conditional_acceptance,
             "stage_seconds": dict(self.stage_seconds),
             "cuda_graphs": {**self.cuda_graphs, "failures": list(self.cuda_graphs["failures"])},
+            "verify_widths": {str(k): v for k, v in sorted(self.verify_widths.items())},
+            "skipped_drafts": self.skipped_drafts,
             "requests": [{"rounds": r.rounds, "round_tokens": r.round_tokens, "hist": r.hist} for r in self.requests],
         }
 
@@ -192,6 +206,9 @@ class SpecStats:
         graphs = data.get("cuda_graphs") or {}
         stats.cuda_graphs = {"captures": int(graphs.get("captures", 0)), "replays": int(graphs.get("replays", 0)),
                              "failures": list(graphs.get("failures", []))}  # fmt: skip
+        for width, count in (data.get("verify_widths") or {}).items():
+            stats.verify_widths[int(width)] += int(count)
+        stats.skipped_drafts = int(data.get("skipped_drafts", 0))
         return stats
 
     def summary(self) -> str:

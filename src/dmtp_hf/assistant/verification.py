@@ -94,7 +94,7 @@ def verify(
     accept = torch.rand_like(p_tok) * q_tok < p_tok
     n = _leading_true(accept)
     # Residual distribution at the first rejected slot; the plain target distribution after all K are accepted.
-    q_padded = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)  # [B, K+1, V]
+    q_padded = torch.cat([q, torch.zeros_like(p[:, :1])], dim=1)  # [B, K+1, V] (K may be 0)
     residual = (p - q_padded).clamp(min=0)
     index = n[:, None, None].expand(-1, 1, p.shape[-1])
     residual_n = residual.gather(1, index)[:, 0]
@@ -119,7 +119,7 @@ def block_verify(candidates: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> 
     """
     batch, num_candidates = candidates.shape
     ratio = p[:, :num_candidates].gather(2, candidates[..., None])[..., 0] / q.gather(2, candidates[..., None])[..., 0]
-    weights = [torch.ones_like(ratio[:, 0])]
+    weights = [torch.ones(batch, dtype=ratio.dtype, device=ratio.device)]
     for i in range(num_candidates):  # K (<= a few) elementwise steps, on the device
         weights.append(torch.minimum(weights[-1] * ratio[:, i], torch.ones_like(ratio[:, i])))
     w = torch.stack(weights, dim=1)  # [B, K+1]

@@ -42,6 +42,7 @@ class EvalSettings:
     seed: int = 0
     batch_size: int = 1
     baseline: bool = True  # also time plain ``target.generate`` on the same turns (wall-clock speedup)
+    verify_length: int | str | None = None  # candidates per round: None (all K), a number, or "auto"
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -120,6 +121,7 @@ def _run_prompt_set(pset: PromptSet, labels: list[str], strategies: list[Strateg
     metadata, wall seconds and a digest of the generated tokens, per label."""
     device = next(target.parameters()).device
     drafters = {s.label: s.drafter for s in strategies}
+    widths = {s.label: s.verify_length if s.verify_length is not None else settings.verify_length for s in strategies}
     stats = {s.label: SpecStats(s.num_candidates, s.label) for s in strategies}
     meta: dict[str, list[dict[str, Any]]] = {label: [] for label in labels}
     seconds = dict.fromkeys(labels, 0.0)
@@ -142,6 +144,7 @@ def _run_prompt_set(pset: PromptSet, labels: list[str], strategies: list[Strateg
                         input_ids,
                         drafters[label],
                         verify_mode=settings.resolved_verify_mode,
+                        verify_length=widths[label],
                         attention_mask=torch.ones_like(input_ids),
                         return_dict_in_generate=True,
                         **gen_kwargs,

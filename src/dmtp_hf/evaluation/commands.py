@@ -98,6 +98,11 @@ def _add_common(parser: argparse.ArgumentParser, default_output: str) -> None:
         choices=["greedy", "match", "rejection", "block"],
         help="default: greedy at T=0, match otherwise",
     )
+    work.add_argument(
+        "--verify-length", type=_verify_length, default=None,
+        help="candidates verified per round: a number (at most K), or auto (chosen per round from the draft's "
+        "confidence and the measured cost of a verify; default: all K)",
+    )  # fmt: skip
     work.add_argument("--no-chat-template", action="store_true", help="feed raw prompts (no chat template)")
     work.add_argument("--enable-thinking", action="store_true", help="render the chat template with thinking on")
     work.add_argument("--seed", type=int, default=0)
@@ -142,6 +147,17 @@ def add_subcommands(sub) -> None:
     bench.add_argument("--repeats", type=int, default=1, help="repeat the workload (interleaved) N times")
     bench.set_defaults(func=cmd_bench)
 
+    calibrate = sub.add_parser(
+        "calibrate",
+        help="fit how often each draft's candidates are accepted at each confidence (for --verify-length auto)",
+    )
+    _add_common(calibrate, "outputs/calibrate")
+    calibrate.add_argument(
+        "--write", action="store_true", help="store each fit in its draft's config.json (what auto widths read)"
+    )
+    calibrate.add_argument("--bins", type=int, default=10, help="confidence bins per position (default 10)")
+    calibrate.set_defaults(func=cmd_calibrate)
+
     push = sub.add_parser("push", help="upload a DMTP checkpoint with a generated model card to the Hugging Face Hub")
     push.add_argument("checkpoint", type=Path)
     push.add_argument("repo_id", help="ORG/NAME")
@@ -153,6 +169,14 @@ def add_subcommands(sub) -> None:
     push.add_argument("--local-dir", type=Path, help="write the repo folder here (kept)")
     push.add_argument("--no-upload", action="store_true", help="only write the folder (needs --local-dir)")
     push.set_defaults(func=cmd_push)
+
+
+def _verify_length(value: str) -> int | str:
+    if value == "auto":
+        return value
+    if value.isdigit():
+        return int(value)
+    raise argparse.ArgumentTypeError(f"--verify-length takes a number or auto, not {value!r}")
 
 
 def _settings(args: argparse.Namespace):
@@ -168,6 +192,7 @@ def _settings(args: argparse.Namespace):
         seed=args.seed,
         batch_size=getattr(args, "batch_size", 1),
         baseline=not getattr(args, "no_baseline", False),
+        verify_length=args.verify_length,
     )
 
 
@@ -210,6 +235,50 @@ def _console():
     # Wide enough that method names and numbers are never elided when stdout is not a terminal.
     width = max(140, shutil.get_terminal_size((140, 24)).columns)
     return Console(width=width)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """``dmtp calibrate``: decode the prompts verifying every candidate, fit acceptance against confidence per
+    position for each draft strategy, print it, write ``calibration.json`` (and, with ``--write``, the drafts)."""
+    from rich.table import Table
+
+    from ..assistant.widths import Calibration
+    from .acceptance import run_acceptance_eval
+    from .calibration import CalibrationRecorder, calibration_table, store_calibration
+
+    args.verify_length = None
+    loaded = _load(args)
+    loaded["settings"].baseline = False
+    drafts = [s for s in loaded["strategies"] if s.checkpoint is not None]
+    if not drafts:
+        raise ValueError("no strategy with a draft checkpoint to calibrate (MTP-k strategies store no calibration)")
+    for strategy in drafts:
+        strategy.verify_length = CalibrationRecorder(strategy.num_candidates)
+    run_acceptance_eval(loaded["target"], loaded["tokenizer"], loaded["prompt_sets"], drafts, loaded["settings"],
+                        paths=loaded["paths"], progress=not args.no_progress)  # fmt: skip
+    report, console = {}, _console()
+    for strategy in drafts:
+        pairs = strategy.verify_length.pairs
+        calibration = Calibration.fit(pairs, num_bins=args.bins)
+        rows = calibration_table(calibration, pairs)
+        report[strategy.label] = {"checkpoint": strategy.checkpoint, **calibration.to_dict(), "positions": rows}
+        table = Table(title=f"{strategy.label}: P(accepted | confidence), fitted per candidate position")
+        table.add_column("position", justify="right")
+        table.add_column("tested", justify="right")
+        table.add_column("accepted", justify="right")
+        for edge in calibration.edges:
+            table.add_column(f"<={edge:.1f}", justify="right")
+        for row in rows:
+            rate = "-" if row["acceptance"] is None else f"{100 * row['acceptance']:.1f}%"
+            table.add_row(str(row["position"]), str(row["tested"]), rate, *(f"{r:.2f}" for r in row["rates"]))
+        console.print(table)
+        if args.write:
+            console.print(f"wrote {store_calibration(strategy.checkpoint.partition('@')[0], calibration)}")
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "calibration.json").write_text(json.dumps(report, indent=2) + "\n")
+    console.print(f"wrote {out / 'calibration.json'}")
+    return 0
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -299,6 +368,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         assistant=assistant,
         assistant_path=args.assistant,
         verify_mode=settings.resolved_verify_mode,
+        verify_length=settings.verify_length,
     )
     with torch.no_grad():
         results = run_benchmark(

@@ -19,6 +19,17 @@ from ..assistant.drafters import Drafter
 
 MTP_STRATEGY = re.compile(r"^mtp(\d+)(?:@(?P<head>[\w.-]+))?$")
 DMTP_KINDS = ("dmtp", "dflash")
+WIDTH_SUFFIX = re.compile(r"^(?P<base>.+?):(?P<width>auto|\d+)$")  # dmtp:auto, mtp4:2: the round width of a label
+
+
+def split_width(label: str) -> tuple[str, int | str | None]:
+    """``"dmtp:auto"`` -> ``("dmtp", "auto")``, ``"mtp4:2"`` -> ``("mtp4", 2)``, ``"dflash"`` -> ``("dflash", None)``
+    (the label and its round width)."""
+    match = WIDTH_SUFFIX.match(label)
+    if match is None:
+        return label, None
+    width = match["width"]
+    return match["base"], width if width == "auto" else int(width)
 
 
 @dataclass
@@ -140,6 +151,7 @@ class Strategy:
     drafter: Drafter
     checkpoint: str | None = None
     details: dict[str, Any] = field(default_factory=dict)
+    verify_length: int | str | None = None  # the label's own round width (``dmtp:auto``); None: the run's setting
 
     @property
     def num_candidates(self) -> int:
@@ -161,7 +173,8 @@ def parse_strategies(spec: str | None, paths: ModelPaths) -> list[str]:
     """Strategy labels from ``--strategies`` (``None``: dmtp, dflash when a DFlash draft is known, mtp4).
 
     Valid labels: ``dmtp``, ``dflash``, ``mtpK`` (K >= 1; ``mtpK@HEAD`` with a head given by ``--head HEAD=PATH``)
-    and the labels of ``--extra-draft LABEL=PATH``.
+    and the labels of ``--extra-draft LABEL=PATH``; each may end with ``:auto`` or ``:N``, its candidates verified
+    per round (``dmtp,dmtp:auto`` compares a fixed and an adaptive width side by side).
     """
     if spec is None:
         labels = ["dmtp"] + (["dflash"] if paths.dflash_draft else []) + ["mtp4"]
@@ -170,7 +183,7 @@ def parse_strategies(spec: str | None, paths: ModelPaths) -> list[str]:
     labels = [part.strip() for part in spec.split(",") if part.strip()]
     if not labels:
         raise ValueError("--strategies is empty")
-    for label in labels:
+    for label in (split_width(label)[0] for label in labels):
         if label not in DMTP_KINDS and not MTP_STRATEGY.match(label) and label not in paths.extra_drafts:
             raise ValueError(
                 f"unknown strategy {label!r}: use dmtp, dflash, mtp1..mtpK or a label given with --extra-draft"
@@ -218,7 +231,8 @@ def build_strategies(labels: list[str], target, paths: ModelPaths, fast_path: bo
         )
 
     strategies = []
-    for label in labels:
+    for name in labels:
+        label, width = split_width(name)
         match = MTP_STRATEGY.match(label)
         if match:
             steps = int(match.group(1))
@@ -227,8 +241,9 @@ def build_strategies(labels: list[str], target, paths: ModelPaths, fast_path: bo
                 "mtp_steps": steps,
                 "mtp_head": paths.heads.get(match["head"], paths.mtp_head),
                 "fast_path": fast_path,
+                "verify_length": width,
             }
-            strategies.append(Strategy(label, "mtp", drafter, None, details))
+            strategies.append(Strategy(name, "mtp", drafter, None, details, width))
             continue
         if label == "dmtp":
             path = paths.draft
@@ -255,6 +270,7 @@ def build_strategies(labels: list[str], target, paths: ModelPaths, fast_path: bo
             "fusion": None if kind == "dflash" else cfg.fusion,
             "backbone": cfg.backbone,
             "fast_path": fast_path,
+            "verify_length": width,
         }
-        strategies.append(Strategy(label, kind, drafter, path, details))
+        strategies.append(Strategy(name, kind, drafter, path, details, width))
     return strategies

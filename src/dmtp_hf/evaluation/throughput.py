@@ -57,6 +57,7 @@ def build_baselines(
     assistant=None,
     assistant_path: str | None = None,
     verify_mode: str | None = None,
+    verify_length: int | str | None = None,
 ) -> list[Baseline]:
     """Plain ``generate``, our strategies, then Transformers' built-ins (with skip notes where unsupported)."""
 
@@ -66,9 +67,11 @@ def build_baselines(
     baselines = [Baseline("generate", "plain target.generate (reference)", plain, max_batch_size=None)]
 
     for strategy in strategies:
+        width = strategy.verify_length if strategy.verify_length is not None else verify_length
 
-        def ours(ids: torch.Tensor, mask: torch.Tensor, drafter=strategy.drafter) -> torch.Tensor:
-            return dmtp_generate(target, ids, drafter, verify_mode=verify_mode, attention_mask=mask, **gen_kwargs)
+        def ours(ids: torch.Tensor, mask: torch.Tensor, drafter=strategy.drafter, width=width) -> torch.Tensor:
+            return dmtp_generate(target, ids, drafter, verify_mode=verify_mode, attention_mask=mask,
+                                 verify_length=width, **gen_kwargs)  # fmt: skip
 
         what = {"dmtp": "DMTP (native MTP T1 + DFlash T2..)", "dflash": "our DFlash", "mtp": "our native MTP"}[
             strategy.kind

@@ -146,6 +146,22 @@ def draft_attention_masks(
     return masks
 
 
+def one_block_masks(
+    position_ids: torch.Tensor, c_new: int, cached: int, kinds: dict, implementation: str, dtype: torch.dtype
+):
+    """The default layout of the draft's forward: one block (``position_ids[:, c_new:]``) over every context entry,
+    the ``cached`` ones at ``0 .. cached - 1`` and the ``c_new`` new ones at ``position_ids[:, :c_new]``."""
+    bsz, device = position_ids.shape[0], position_ids.device
+    context_positions = torch.cat([torch.arange(cached, device=device).expand(bsz, -1), position_ids[:, :c_new]], 1)
+    block_positions = position_ids[:, c_new:]
+    layout = AttentionLayout(
+        query_positions=block_positions,
+        key_positions=torch.cat([context_positions, block_positions], dim=1),
+        key_blocks=torch.cat([torch.full_like(context_positions, -1), torch.zeros_like(block_positions)], dim=1),
+    )
+    return draft_attention_masks(layout, kinds, implementation, dtype)
+
+
 def _flex_block_mask(layout: AttentionLayout, causal: bool, window: int | None):
     from torch.nn.attention.flex_attention import create_block_mask
 

@@ -16,7 +16,19 @@ from .configuration_dmtp import DMTPConfig
 from .native_mtp.layouts import UnsupportedMTPFamilyError
 from .native_mtp.loading import NoNativeMTPError, load_native_mtp
 
-__all__ = ["bind_draft", "check_draft_target_compatibility", "register_bind_hook"]
+__all__ = [
+    "UNBOUND_ASSISTANT",
+    "bind_draft",
+    "bound_native_mtp",
+    "check_draft_target_compatibility",
+    "register_bind_hook",
+]
+
+UNBOUND_ASSISTANT = (
+    "DMTPDraftModel is not a Transformers assistant model on its own: bind it to its target "
+    "(DMTPDraftModel.from_pretrained(path, target=target) or draft.bind(target)); target.generate(..., "
+    "assistant_model=draft) then runs DMTP decoding."
+)
 
 _BIND_HOOKS: list[Callable[[nn.Module], None]] = []
 
@@ -90,3 +102,19 @@ def bind_draft(draft: nn.Module, target: nn.Module, native_mtp: nn.Module | None
     draft.__dict__["_native_mtp_missing"] = missing_reason
     for hook in _BIND_HOOKS:
         hook(target)
+
+
+def bound_native_mtp(draft: nn.Module) -> nn.Module:
+    """The native MTP head bound with the draft's target, or an error that says how to bind one."""
+    head = draft.__dict__.get("_native_mtp")
+    if head is None:
+        reason = draft.__dict__.get("_native_mtp_missing")
+        retrofit = draft.config.dmtp_config.get("mtp_source") == "retrofit"
+        raise RuntimeError(
+            ("This draft was trained with a retrofitted MTP head (its target ships none): " if retrofit else
+             "This draft has no native MTP head bound: ")
+            + "bind it with `draft.bind(target, native_mtp=load_native_mtp(target, checkpoint=HEAD_DIR))` "
+            + "(eval/bench: --mtp-head HEAD_DIR)."
+            + (f" Reading the target's own head failed: {reason}" if reason else "")
+        )  # fmt: skip
+    return head

@@ -7,7 +7,8 @@ that predicted it. The config therefore is a Qwen3 config with two nested sectio
 * ``dflash_config``: exactly the keys DFlash checkpoints carry (``mask_token_id``, ``target_layer_ids``,
   optionally ``block_size``/``num_target_layers`` and engine extras, which are preserved verbatim);
 * ``dmtp_config``: ``anchor_layout``, ``fusion``, ``num_candidates``, ``fusion_rank``, ``mtp_hidden_size``,
-  ``mtp_hidden_input`` and provenance (``target_model_type``, ``mtp_source``).
+  ``mtp_hidden_input``, provenance (``target_model_type``, ``mtp_source``) and, once ``dmtp calibrate`` ran,
+  ``acceptance_calibration`` (what ``verify_length="auto"`` predicts acceptance from).
 
 Unmodified DFlash ``config.json`` files (``model_type: qwen3``, ``architectures: ["DFlashDraftModel"]``,
 ``block_size`` at the top level or inside ``dflash_config``) load through :meth:`DMTPConfig.from_dict`, and so do

@@ -35,8 +35,8 @@ from transformers.models.qwen3.modeling_qwen3 import (
     rotate_half,
 )
 
-from .attention_masks import AttentionLayout, draft_attention_masks, layer_kinds, pad_keys_to_block_mask
-from .binding import bind_draft
+from .attention_masks import layer_kinds, one_block_masks, pad_keys_to_block_mask
+from .binding import UNBOUND_ASSISTANT, bind_draft, bound_native_mtp
 from .configuration_dmtp import DMTPConfig, require_local_directory
 from .dflash2 import CandidateSelector, GroupedDynamicCausalConv
 from .fusion import FirstCandidateFusion
@@ -288,26 +288,11 @@ class DMTPDraftModel(DMTPPreTrainedModel):
     @property
     def native_mtp(self) -> nn.Module:
         """The native MTP head bound with the target (see :meth:`bind`)."""
-        head = self.__dict__.get("_native_mtp")
-        if head is None:
-            reason = self.__dict__.get("_native_mtp_missing")
-            retrofit = self.config.dmtp_config.get("mtp_source") == "retrofit"
-            raise RuntimeError(
-                ("This draft was trained with a retrofitted MTP head (its target ships none): " if retrofit else
-                 "This draft has no native MTP head bound: ")
-                + "bind it with `draft.bind(target, native_mtp=load_native_mtp(target, checkpoint=HEAD_DIR))` "
-                + "(eval/bench: --mtp-head HEAD_DIR)."
-                + (f" Reading the target's own head failed: {reason}" if reason else "")
-            )  # fmt: skip
-        return head
+        return bound_native_mtp(self)
 
     def __getattr__(self, name: str):
         if name == "generation_config":  # read by Transformers' own assisted loop: a draft that was never bound
-            raise AttributeError(
-                "DMTPDraftModel is not a Transformers assistant model on its own: bind it to its target "
-                "(DMTPDraftModel.from_pretrained(path, target=target) or draft.bind(target)); target.generate(..., "
-                "assistant_model=draft) then runs DMTP decoding."
-            )
+            raise AttributeError(UNBOUND_ASSISTANT)
         return super().__getattr__(name)
 
     @property
@@ -441,7 +426,15 @@ class DMTPDraftModel(DMTPPreTrainedModel):
         elif attention_mask is not None:
             masks = {"full_attention": attention_mask, "sliding_attention": attention_mask}
         else:
-            masks = self._one_block_masks(position_ids, c_new, cache, inputs_embeds.dtype)
+            cached = cache.get_seq_length() if cache is not None else 0
+            masks = one_block_masks(
+                position_ids,
+                c_new,
+                cached,
+                layer_kinds(self.layers),
+                self.config._attn_implementation,
+                inputs_embeds.dtype,
+            )
 
         hidden_states = inputs_embeds
         for layer in self.layers:
@@ -455,19 +448,6 @@ class DMTPDraftModel(DMTPPreTrainedModel):
             )
         hidden_states = self.norm(hidden_states)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache if use_cache else None)
-
-    def _one_block_masks(self, position_ids: torch.Tensor, c_new: int, cache: Cache | None, dtype: torch.dtype):
-        """The default layout: one block over every context entry (cached ones at ``0 .. C_cached - 1``)."""
-        cached = cache.get_seq_length() if cache is not None else 0
-        bsz, device = position_ids.shape[0], position_ids.device
-        context_positions = torch.cat([torch.arange(cached, device=device).expand(bsz, -1), position_ids[:, :c_new]], 1)
-        block_positions = position_ids[:, c_new:]
-        layout = AttentionLayout(
-            query_positions=block_positions,
-            key_positions=torch.cat([context_positions, block_positions], dim=1),
-            key_blocks=torch.cat([torch.full_like(context_positions, -1), torch.zeros_like(block_positions)], dim=1),
-        )
-        return draft_attention_masks(layout, layer_kinds(self.layers), self.config._attn_implementation, dtype)
 
     # ------------------------------------------------------------------------------------------------------------
     # Loading and saving

@@ -98,17 +98,7 @@ class Trainer(CheckpointMixin):
             final_hidden=config.train_mtp_head != "frozen" and config.mtp_kl_weight > 0,
         )
 
-        # Data.
-        self.train_dataset = train_dataset if train_dataset is not None else self._load_data(config.train_data)
-        self.eval_dataset = eval_dataset
-        if eval_dataset is None and config.eval_data:
-            self.eval_dataset = self._load_data(config.eval_data)
-        elif eval_dataset is None and config.eval_holdout > 0:
-            # a random subset (seeded): files are often grouped by source, and their tail is no held-out sample
-            order = torch.randperm(len(self.train_dataset), generator=torch.Generator().manual_seed(config.seed))
-            held, kept = sorted(order[: config.eval_holdout].tolist()), sorted(order[config.eval_holdout :].tolist())
-            self.eval_dataset = torch.utils.data.Subset(self.train_dataset, held)
-            self.train_dataset = torch.utils.data.Subset(self.train_dataset, kept)
+        self.train_dataset, self.eval_dataset = self._datasets(train_dataset, eval_dataset)
         self.schedule = StepSchedule(
             len(self.train_dataset),
             config.micro_batch_size,
@@ -143,6 +133,19 @@ class Trainer(CheckpointMixin):
 
     # ------------------------------------------------------------------------------------------------------------
     # Setup helpers
+
+    def _datasets(self, train_dataset, eval_dataset):
+        """The training and held-out sets: given, read from the config's files, or a held-out split of the training
+        file (a seeded random subset: files are often grouped by source, and their tail is no held-out sample)."""
+        config = self.config
+        train = train_dataset if train_dataset is not None else self._load_data(config.train_data)
+        if eval_dataset is not None or not (config.eval_data or config.eval_holdout > 0):
+            return train, eval_dataset
+        if config.eval_data:
+            return train, self._load_data(config.eval_data)
+        order = torch.randperm(len(train), generator=torch.Generator().manual_seed(config.seed))
+        held, kept = sorted(order[: config.eval_holdout].tolist()), sorted(order[config.eval_holdout :].tolist())
+        return torch.utils.data.Subset(train, kept), torch.utils.data.Subset(train, held)
 
     def _build_draft(self) -> nn.Module:
         config = self.config

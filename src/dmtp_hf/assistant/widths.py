@@ -1,0 +1,219 @@
+"""How many candidates to verify each round: predicted acceptance against the measured cost of the round.
+
+A round that verifies k candidates commits ``1 + sum_{j <= k} P(L >= j)`` tokens in expectation and costs the
+drafter's stages plus a target forward over ``k + 1`` tokens. ``verify_length="auto"`` picks, per round, the k that
+maximises tokens per second over the batch (``k = 0`` is a plain decoding step):
+
+- `Calibration`: ``P(candidate j accepted | the ones before were)`` from the draft's own confidence (the
+  probability it gave its candidate), a monotone map per position fitted on recorded ``(confidence, accepted)``
+  pairs (``dmtp calibrate``) and stored in the draft's config; uncalibrated, the confidence itself.
+- `CostModel`: the target forward's seconds per width, measured on this machine at first use (a short timing of
+  dummy forwards, cached per target, device, dtype and batch size; never a constant), and the drafter's stages,
+  measured as the generation runs.
+- `AutoWidth`: the choice. DMTP asks it after T1, before running DFlash: when T1 alone (or nothing) is the best
+  bet, the DFlash forward is skipped; MTP-k chains stop when the next step does not pay for itself.
+
+Lossless is unchanged: a shorter block is verified exactly as a long one. Choosing reads the confidences on the
+host: one more synchronisation per round in ``auto`` mode.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+__all__ = ["AutoWidth", "Calibration", "CostModel", "check_verify_length", "confidences", "width_policy"]
+
+_COSTS: dict[tuple, dict[int, float]] = {}  # (target id, device, dtype, batch) -> width -> seconds
+
+
+def confidences(tokens: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """``[B, k]`` the probability the draft gave each of its candidates (``scores`` ``[B, k, V]``, processed)."""
+    return scores.float().softmax(dim=-1).gather(-1, tokens[..., None])[..., 0]
+
+
+@dataclass
+class Calibration:
+    """Per candidate position j, a monotone step map confidence -> P(accepted | earlier accepted).
+
+    ``edges`` are the right bin edges in ``(0, 1]``; ``rates[j][b]`` the fitted rate of bin b at position j.
+    """
+
+    edges: list[float] = field(default_factory=list)
+    rates: list[list[float]] = field(default_factory=list)
+
+    def __call__(self, conf: torch.Tensor) -> torch.Tensor:
+        """``[B, k]`` acceptance probabilities of candidates with confidences ``conf`` ``[B, k]``."""
+        if not self.rates:
+            return conf.float()
+        edges = torch.tensor(self.edges, device=conf.device)
+        bins = torch.bucketize(conf.float().clamp(0, 1), edges).clamp(max=len(self.edges) - 1)  # [B, k]
+        positions = torch.arange(conf.shape[1], device=conf.device).clamp(max=len(self.rates) - 1)
+        table = torch.tensor(self.rates, device=conf.device)  # [K, bins]
+        return table[positions[None].expand_as(bins), bins]
+
+    @classmethod
+    def fit(cls, pairs: list[tuple[int, float, bool]], num_bins: int = 10) -> Calibration:
+        """Isotonic (pool-adjacent-violators) fit per position of ``(position, confidence, accepted)`` pairs, on
+        ``num_bins`` equal-width confidence bins."""
+        edges = [(b + 1) / num_bins for b in range(num_bins)]
+        num_positions = 1 + max((p for p, _, _ in pairs), default=-1)
+        rates = []
+        for position in range(num_positions):
+            sums, counts = [0.0] * num_bins, [0] * num_bins
+            for p, conf, accepted in pairs:
+                if p == position:
+                    b = min(int(conf * num_bins), num_bins - 1)
+                    sums[b] += float(accepted)
+                    counts[b] += 1
+            rates.append(_isotonic(sums, counts))
+        return cls(edges, rates)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form (stored in the draft's config, ``dmtp_config["acceptance_calibration"]``)."""
+        return {"edges": self.edges, "rates": self.rates}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> Calibration:
+        """The inverse of `to_dict` (``None``: uncalibrated)."""
+        return cls(list(data["edges"]), [list(r) for r in data["rates"]]) if data else cls()
+
+
+def _isotonic(sums: list[float], counts: list[int]) -> list[float]:
+    """Non-decreasing rates per bin (pool adjacent violators, count-weighted); empty bins take their neighbours'."""
+    blocks = [[s, c, 1] for s, c in zip(sums, counts, strict=True) if c]  # [sum, count, bins merged]
+    merged: list[list[float]] = []
+    for block in blocks:
+        merged.append(block)
+        while len(merged) > 1 and merged[-2][0] / merged[-2][1] > merged[-1][0] / merged[-1][1]:
+            s, c, n = merged.pop()
+            merged[-1] = [merged[-1][0] + s, merged[-1][1] + c, merged[-1][2] + n]
+    values = [b[0] / b[1] for b in merged for _ in range(int(b[2]))]
+    out, filled = [], iter(values)
+    last = values[0] if values else 0.5
+    for count in counts:
+        last = next(filled) if count else last
+        out.append(last)
+    return out
+
+
+class CostModel:
+    """Seconds of a target forward per width (measured once per target/device/dtype/batch) and of the drafter's
+    stages (running means of what the generation itself measured)."""
+
+    def __init__(self, verify: dict[int, float]) -> None:
+        self.verify = verify
+        self.stages: dict[str, float] = {}
+
+    @classmethod
+    def measure(cls, target, batch_size: int, max_width: int, repeats: int = 3, context: int = 64) -> CostModel:
+        """Time target forwards of 1..``max_width`` tokens after a ``context``-token prompt (medians; cached)."""
+        embedding = target.get_input_embeddings().weight
+        key = (id(target), embedding.device, embedding.dtype, batch_size)
+        if key not in _COSTS:
+            _COSTS[key] = _time_widths(target, batch_size, max_width, repeats, context)
+        return cls(dict(_COSTS[key]))
+
+    def update(self, stage: str, seconds: float) -> None:
+        """Fold one measurement of a drafter stage into its running mean."""
+        previous = self.stages.get(stage)
+        self.stages[stage] = seconds if previous is None else 0.8 * previous + 0.2 * seconds
+
+    def round_seconds(self, width: int, draft_stages: list[str]) -> float:
+        """A round verifying ``width`` candidates after running ``draft_stages``."""
+        return self.verify[min(width + 1, max(self.verify))] + sum(self.stages.get(s, 0.0) for s in draft_stages)
+
+
+@torch.no_grad()
+def _time_widths(target, batch_size: int, max_width: int, repeats: int, context: int) -> dict[int, float]:
+    device = target.get_input_embeddings().weight.device
+    vocab = target.get_input_embeddings().weight.shape[0]
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, vocab, (batch_size, context), generator=generator).to(device)
+    cache = DynamicCache(config=target.config)
+    target(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1)
+    timings = {}
+    for width in range(1, max_width + 1):
+        ids = prompt[:, :width]
+        samples = []
+        for _ in range(repeats + 1):  # the first call warms up this shape
+            fresh = DynamicCache(config=target.config)  # every timing from the same cached length
+            target(input_ids=prompt, cache=fresh, use_cache=True, logits_to_keep=1)
+            _sync(device)
+            start = time.perf_counter()
+            target(input_ids=ids, cache=fresh, use_cache=True)
+            _sync(device)
+            samples.append(time.perf_counter() - start)
+        timings[width] = sorted(samples[1:])[len(samples[1:]) // 2]
+    return timings
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def width_policy(verify_length: int | str | None, target, drafter, batch_size: int):
+    """What the drafter's ``width_policy`` becomes for ``verify_length``: ``None`` (every round K candidates), a fixed
+    number (at most K), or ``"auto"`` (`AutoWidth`, with the target's costs measured here and the draft's
+    calibration)."""
+    if verify_length is None:
+        return None
+    num_candidates = drafter.num_candidates
+    if isinstance(verify_length, AutoWidth):  # a policy built by the caller (its own costs or calibration)
+        verify_length.widths, verify_length.skipped = [], 0
+        return verify_length
+    if verify_length == "auto":
+        draft = getattr(drafter, "draft", None)
+        stored = draft.config.dmtp_config.get("acceptance_calibration") if draft is not None else None
+        cost = CostModel.measure(target, batch_size, num_candidates + 1)
+        return AutoWidth(cost, Calibration.from_dict(stored), num_candidates)
+    check_verify_length(verify_length)
+    return min(verify_length, num_candidates)  # a drafter proposes at most its K
+
+
+def check_verify_length(verify_length) -> None:
+    """Refuse a ``verify_length`` that is not ``None``, ``"auto"``, an `AutoWidth` or an integer >= 0."""
+    if verify_length is None or verify_length == "auto" or isinstance(verify_length, AutoWidth):
+        return
+    if isinstance(verify_length, bool) or not isinstance(verify_length, int) or verify_length < 0:
+        raise ValueError(f"verify_length must be 'auto', an AutoWidth or an integer >= 0, got {verify_length!r}")
+
+
+class AutoWidth:
+    """Chooses the number of candidates of a round (see the module docstring)."""
+
+    def __init__(self, cost: CostModel, calibration: Calibration, max_candidates: int) -> None:
+        self.cost, self.calibration, self.max_candidates = cost, calibration, max_candidates
+        self.prior = [0.5] * max_candidates  # running P(accepted | earlier accepted) per position, for unseen ones
+        self.widths: list[int] = []  # the chosen width of every round
+        self.skipped = 0  # rounds that ran no draft forward beyond T1 (or none at all)
+
+    def best(self, known: torch.Tensor, draft_stages: list[list[str]]) -> int:
+        """The width (0..K) with the most expected tokens per second for the batch, given the acceptance
+        probabilities ``known`` ``[B, j]`` of the first j candidates (priors beyond); ``draft_stages[k]`` are the
+        drafter stages a width-k round runs."""
+        batch = known.shape[0]
+        rates = torch.tensor(self.prior, dtype=torch.float32, device=known.device).expand(batch, -1).clone()
+        rates[:, : known.shape[1]] = known.float()
+        expected = 1 + torch.cat([torch.zeros(batch, 1), rates.cumprod(dim=1).cpu()], dim=1).cumsum(dim=1)
+        totals = expected.sum(dim=0)  # [K+1] tokens for the batch at each width
+        speed = [float(totals[k]) / self.cost.round_seconds(k, draft_stages[k]) for k in range(self.max_candidates + 1)]
+        return max(range(len(speed)), key=speed.__getitem__)
+
+    def observe(self, conf: torch.Tensor, accepted: torch.Tensor) -> None:
+        """Update the priors with a round's acceptance (``conf`` ``[B, k]``, ``accepted`` ``[B]`` counts)."""
+        k = conf.shape[1]
+        if not k:
+            return
+        steps = torch.arange(k, device=accepted.device)
+        reached = steps[None] <= accepted[:, None]  # the candidate was tested (earlier ones accepted)
+        passed = steps[None] < accepted[:, None]
+        for j in range(k):
+            tested = int(reached[:, j].sum())
+            if tested:
+                self.prior[j] = 0.9 * self.prior[j] + 0.1 * int(passed[:, j].sum()) / tested

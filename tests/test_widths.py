@@ -1,0 +1,227 @@
+"""How many candidates a round verifies (``verify_length``): a fixed number or chosen per round ("auto").
+
+- Lossless at every width: greedy output equals plain ``generate`` for every strategy, one row and ragged batches,
+  with the fast path on and off, whatever width each round takes (0 included: a plain decoding step).
+- Sampled output keeps the target's distribution when widths vary round to round (chi-square).
+- The choice itself: `AutoWidth.best` follows confidence and cost; `Calibration` is monotone, fits what it saw and
+  travels with the draft's checkpoint; bad values are refused before any forward.
+"""
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+from conftest import draft_for
+from test_batching import BatchOracle, _batch, _prompts
+from test_engine import MAX_NEW, OracleMix, _tiny_vocab_drafter, greedy_reference, strategies
+from test_lossless import CUT_PROCESSORS, chi_square_p, exact_distribution
+
+from dmtp_hf import DMTPDraftModel
+from dmtp_hf.assistant import SpecStats, speculative_decode
+from dmtp_hf.assistant import widths as widths_module
+from dmtp_hf.assistant.drafters import DMTPDrafter, MTPDrafter
+from dmtp_hf.assistant.widths import AutoWidth, Calibration, CostModel, width_policy
+from dmtp_hf.cli import main
+from dmtp_hf.testing.tiny_targets import load_tiny_target
+
+
+class RandomWidths(AutoWidth):
+    """An auto-width policy that picks a seeded random width every time it is asked, so a run takes every width
+    (and DMTP skips its DFlash forward, MTP chains stop early) in an unpredictable order."""
+
+    def __init__(self, max_candidates: int, seed: int = 0):
+        super().__init__(CostModel({1: 1.0}), Calibration(), max_candidates)
+        self.rng = random.Random(seed)
+
+    def best(self, known, draft_stages):
+        return self.rng.randint(0, self.max_candidates)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "deepseek_v3"])
+@pytest.mark.parametrize("fast_path", [False, True])
+def test_greedy_identical_at_every_width(targets, family, fast_path):
+    target = targets[family]
+    prompt = torch.tensor([[5, 17, 42, 9, 77, 3, 64]])
+    reference = greedy_reference(target, prompt)
+    for name, drafter in strategies(target).items():
+        drafter.fixed_shapes = fast_path
+        for verify_length in (0, 2, "auto", RandomWidths(drafter.num_candidates, seed=len(name))):
+            out, stats = speculative_decode(
+                target, prompt, OracleMix(drafter, reference, seed=3), max_length=reference.shape[1],
+                verify_length=verify_length,
+            )  # fmt: skip
+            assert torch.equal(out, reference), (family, name, verify_length)
+            generated = reference.shape[1] - prompt.shape[1]
+            if verify_length == 0:  # every round is a plain decoding step (the prefill gives the first token)
+                assert stats.num_rounds == generated - 1 and stats.hist[1:] == [0] * (len(stats.hist) - 1)
+            if isinstance(verify_length, AutoWidth) or verify_length == "auto":
+                assert sum(stats.verify_widths.values()) >= stats.num_rounds - 1, stats.verify_widths
+            if isinstance(verify_length, RandomWidths):
+                assert len(stats.verify_widths) >= min(3, drafter.num_candidates + 1), (name, stats.verify_widths)
+
+
+def test_dmtp_skips_its_dflash_forward_when_t1_alone_is_the_bet(targets):
+    target = targets["qwen3_5"]
+    draft = draft_for(target)
+    calls = []
+    handle = draft.register_forward_hook(lambda *args: calls.append(1))
+    prompt = torch.tensor([[5, 17, 42, 9]])
+    reference = greedy_reference(target, prompt)
+    try:
+        for verify_length in (None, 1, RandomWidths(7, seed=1)):
+            calls.clear()
+            out, stats = speculative_decode(target, prompt, DMTPDrafter(draft, draft.native_mtp),
+                                            max_length=reference.shape[1], verify_length=verify_length)  # fmt: skip
+            assert torch.equal(out, reference)
+            proposals = stats.num_rounds
+            if verify_length is None:
+                assert len(calls) >= proposals  # one DFlash forward per round (plus the context prefill)
+            elif verify_length == 1:
+                assert len(calls) <= 1  # T1 alone: never a DFlash forward beyond the prefill
+            else:
+                assert stats.skipped_drafts > 0 and len(calls) <= proposals - stats.skipped_drafts + 1
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "deepseek_v3"])
+def test_ragged_batches_with_random_widths_equal_single_rows(targets, family):
+    target = targets[family]
+    draft = draft_for(target)
+    prompts = _prompts(4, seed=11)
+    singles = [target.generate(torch.tensor([p]), do_sample=False, max_new_tokens=MAX_NEW)[0] for p in prompts]
+    ids, mask = _batch(prompts, pad=0)
+    for name, drafter in {
+        "dmtp": DMTPDrafter(draft, draft.native_mtp),
+        "mtp3": MTPDrafter(draft.native_mtp, 3),
+    }.items():
+        stats = SpecStats(drafter.num_candidates, name)
+        out, stats = speculative_decode(
+            target, ids, BatchOracle(drafter, singles, seed=5), max_length=ids.shape[1] + MAX_NEW,
+            attention_mask=mask, pad_token_id=0, stats=stats, verify_length=RandomWidths(drafter.num_candidates),
+        )  # fmt: skip
+        for row, prompt in enumerate(prompts):
+            expected = singles[row][len(prompt) :]
+            assert torch.equal(out[row, ids.shape[1] : ids.shape[1] + expected.shape[0]], expected), (name, row)
+
+
+@pytest.mark.parametrize("mode", ["rejection", "block"])
+def test_sampled_output_keeps_the_distribution_when_widths_vary(vocab6, mode):
+    target, prompt, steps, runs = vocab6, torch.tensor([[1, 2, 0]]), 2, 500
+    exact = exact_distribution(target, prompt, steps, CUT_PROCESSORS)
+    drafter = _tiny_vocab_drafter(target, "dmtp")
+    policy = RandomWidths(drafter.num_candidates, seed=4)
+    counts = {}
+    torch.manual_seed(5)
+    for _ in range(runs):
+        out, _ = speculative_decode(
+            target, prompt, drafter, max_length=prompt.shape[1] + steps, do_sample=True,
+            logits_processor=CUT_PROCESSORS, verify_mode=mode, verify_length=policy,
+        )  # fmt: skip
+        key = tuple(out[0, prompt.shape[1] :].tolist())
+        counts[key] = counts.get(key, 0) + 1
+    assert chi_square_p(counts, exact, runs) > 1e-3
+
+
+def test_auto_width_follows_confidence_and_cost():
+    cheap = CostModel({1: 1.0, 2: 1.02, 3: 1.04, 4: 1.06})  # verifying more tokens costs almost nothing
+    policy = AutoWidth(cheap, Calibration(), 3)
+    assert policy.best(torch.full((2, 3), 0.95), [[]] * 4) == 3
+    assert policy.best(torch.full((2, 3), 0.001), [[]] * 4) == 0
+    assert policy.best(torch.tensor([[0.95, 0.9, 0.001]]), [[]] * 4) == 2
+    steep = CostModel({1: 1.0, 2: 1.9, 3: 2.8, 4: 3.7})  # every verified token costs nearly a whole forward
+    assert AutoWidth(steep, Calibration(), 3).best(torch.full((1, 3), 0.6), [[]] * 4) == 0
+    slow_draft = CostModel({1: 1.0, 2: 1.02, 3: 1.04, 4: 1.06})
+    slow_draft.update("dflash", 5.0)  # a drafter stage that costs more than it can return
+    stages = [[], [], ["dflash"], ["dflash"]]
+    assert AutoWidth(slow_draft, Calibration(), 3).best(torch.full((1, 3), 0.9), stages) == 1
+    # what the rounds accepted moves the prior of candidates the draft has not yet scored
+    policy.observe(torch.full((4, 2), 0.5), torch.tensor([2, 2, 2, 2]))
+    assert policy.prior[0] > 0.5 and policy.prior[1] > 0.5 and policy.prior[2] == 0.5
+
+
+def test_calibration_is_monotone_fits_what_it_saw_and_round_trips(tmp_path, targets):
+    rng = random.Random(0)
+    pairs = []
+    for _ in range(4000):
+        position, conf = rng.randrange(2), rng.random()
+        truth = conf**2 if position == 0 else 0.5 * conf  # P(accepted | confidence) per position
+        pairs.append((position, conf, rng.random() < truth))
+    calibration = Calibration.fit(pairs, num_bins=10)
+    for rates in calibration.rates:
+        assert all(a <= b + 1e-9 for a, b in zip(rates, rates[1:], strict=False)), rates
+    got = calibration(torch.tensor([[0.95, 0.95], [0.15, 0.15]]))
+    assert abs(float(got[0, 0]) - 0.95**2) < 0.08 and abs(float(got[0, 1]) - 0.475) < 0.08
+    assert float(got[1, 0]) < 0.1 and float(got[1, 1]) < 0.15
+    assert torch.equal(Calibration.from_dict(calibration.to_dict())(got), calibration(got))
+    # stored in the draft's config, it is what "auto" decodes with after save/load
+    target = targets["qwen3_5"]
+    draft = draft_for(target)
+    draft.config.dmtp_config["acceptance_calibration"] = calibration.to_dict()
+    draft.save_pretrained(tmp_path / "draft")
+    loaded = DMTPDraftModel.from_pretrained(tmp_path / "draft", target=target)
+    policy = width_policy("auto", target, DMTPDrafter(loaded, loaded.native_mtp), 1)
+    assert policy.calibration.to_dict() == calibration.to_dict()
+
+
+def test_target_costs_are_measured_once_per_target_and_batch(targets, monkeypatch):
+    target = targets["deepseek_v3"]
+    timed = []
+    real = widths_module._time_widths
+    monkeypatch.setattr(widths_module, "_COSTS", {})
+    monkeypatch.setattr(widths_module, "_time_widths", lambda *a, **k: timed.append(a[1]) or real(*a, **k))
+    first = CostModel.measure(target, 1, 4, repeats=1, context=8)
+    CostModel.measure(target, 1, 4, repeats=1, context=8)
+    CostModel.measure(target, 2, 4, repeats=1, context=8)
+    assert timed == [1, 2]
+    assert sorted(first.verify) == [1, 2, 3, 4] and all(seconds > 0 for seconds in first.verify.values())
+
+
+@pytest.mark.parametrize("bad", [-1, 2.5, "fast", True])
+def test_bad_verify_length_is_refused_before_any_forward(targets, bad):
+    target = targets["deepseek_v3"]
+    draft = draft_for(target)
+    calls = []
+    handle = target.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        with pytest.raises(ValueError, match="verify_length"):
+            speculative_decode(target, torch.tensor([[1, 2, 3]]), DMTPDrafter(draft, draft.native_mtp), max_length=8,
+                               verify_length=bad)  # fmt: skip
+    finally:
+        handle.remove()
+    assert not calls
+
+
+def test_calibrate_fits_stores_and_auto_reads_it(models_dir, tmp_path, capsys):
+    draft_dir = tmp_path / "dmtp"
+    shutil.copytree(models_dir / "dmtp", draft_dir)
+    argv = ["calibrate", "--target", str(models_dir / "target"), "--draft", str(draft_dir), "--strategies", "dmtp",
+            "--datasets", "gsm8k", "--limit", "2", "--max-new-tokens", "12", "--output-dir", str(tmp_path / "out"),
+            "--no-progress", "--write"]  # fmt: skip
+    assert main(argv) == 0
+    assert "P(accepted | confidence)" in capsys.readouterr().out
+    report = json.loads((tmp_path / "out" / "calibration.json").read_text())["dmtp"]
+    tested = [row["tested"] for row in report["positions"]]
+    assert tested[0] > 0 and tested == sorted(tested, reverse=True)  # a candidate is tested only after its elders
+    stored = json.loads((draft_dir / "config.json").read_text())["dmtp_config"]["acceptance_calibration"]
+    assert stored == {"edges": report["edges"], "rates": report["rates"]}
+    target = load_tiny_target(models_dir / "target")
+    draft = DMTPDraftModel.from_pretrained(draft_dir, target=target)
+    assert width_policy("auto", target, DMTPDrafter(draft, draft.native_mtp), 1).calibration.rates == stored["rates"]
+
+
+def test_eval_compares_fixed_and_auto_widths_side_by_side(models_dir, tmp_path):
+    argv = ["eval", "--target", str(models_dir / "target"), "--draft", str(models_dir / "dmtp"), "--strategies",
+            "dmtp,dmtp:auto,mtp2:1", "--datasets", "gsm8k", "--limit", "2", "--max-new-tokens", "12",
+            "--output-dir", str(tmp_path), "--no-progress", "--no-baseline"]  # fmt: skip
+    assert main(argv) == 0
+    data = json.loads((tmp_path / "eval.json").read_text())
+    strategies = {s["label"]: s for s in data["strategies"]}
+    assert [strategies[label]["verify_length"] for label in ("dmtp", "dmtp:auto", "mtp2:1")] == [None, "auto", 1]
+    results = data["results"]["gsm8k"]
+    assert data["outputs_identical"]["gsm8k"]  # every width is lossless
+    assert not results["dmtp"]["verify_widths"] and sum(results["dmtp:auto"]["verify_widths"].values()) > 0
+    assert max(len(r["hist"]) for r in results["mtp2:1"]["requests"]) == 3  # K = 2 slots: never more than 1 accepted
+    assert results["mtp2:1"]["hist"][2] == 0
