@@ -349,7 +349,7 @@ def test_bench_prints_every_baseline_side_by_side(models_dir, tmp_path):
         "--assistant",
         str(models_dir / "assistant"),
         "--strategies",
-        "dmtp,dflash,mtp2",
+        "dmtp,dmtp:auto,dflash,mtp2",
         "--datasets",
         "gsm8k,mt_bench",
         "--limit",
@@ -368,7 +368,7 @@ def test_bench_prints_every_baseline_side_by_side(models_dir, tmp_path):
     with redirect_stdout(buffer):
         assert main(argv) == 0
     printed = buffer.getvalue()
-    rows = ["generate", "dmtp", "dflash", "mtp2", "prompt_lookup", "hf_use_mtp", "assisted"]
+    rows = ["generate", "dmtp", "dmtp:auto", "dflash", "mtp2", "prompt_lookup", "hf_use_mtp", "assisted"]
     table_lines = [line for line in printed.splitlines() if "│" in line]
     for name in rows:
         assert any(line.split("│")[1].strip() == name for line in table_lines), (name, printed)
@@ -388,12 +388,18 @@ def test_bench_prints_every_baseline_side_by_side(models_dir, tmp_path):
         # batch size 2: plain generate and our batched engine run; Transformers' assisted built-ins are batch-1 only
         batched = (
             baseline["name"] == "generate"
-            or baseline["name"] in ("dmtp", "dflash")
+            or baseline["name"] in ("dmtp", "dmtp:auto", "dflash")
             or baseline["name"].startswith("mtp")
         )
         assert (baseline["results"]["2"] is not None) == batched, baseline["name"]
     assert data["baselines"][0]["results"]["1"]["speedup"] == pytest.approx(1.0)
     assert (out / "throughput.png").read_bytes()[:4] == b"\x89PNG"
+    # the cost curve auto weighs, per batch size and width (1 .. K + 1), printed and saved
+    assert sorted(data["verify_costs"]) == ["1", "2"] and list(data["verify_costs"]["1"]) == [
+        str(w) for w in range(1, 9)
+    ]
+    assert all(t > 0 for by_width in data["verify_costs"].values() for t in by_width.values())
+    assert "target forward cost per width" in printed
 
 
 def test_bench_notes_builtins_a_stateful_target_cannot_run(tmp_path):

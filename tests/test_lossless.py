@@ -187,6 +187,7 @@ def random_case(seed: int) -> dict:
         "prompts": prompts,
         "oracle_seed": rng.randrange(10**6),
         "options": options,
+        "verify_length": rng.choice([None, None, 0, 2, "auto"]),  # drawn last: earlier draws stay as they were
     }
 
 
@@ -210,7 +211,8 @@ def run_case(fuzz_models, case):
     # Rows accept different numbers of candidates: part of each proposal is the true continuation.
     references = [plain[b, width - len(p) :][plain[b, width - len(p) :] != 0] for b, p in enumerate(case["prompts"])]
     oracle = BatchOracle(drafter, references, seed=case["oracle_seed"])
-    ours = target.generate(ids, attention_mask=mask, assistant_model=oracle, do_sample=False, **options)
+    ours = target.generate(ids, attention_mask=mask, assistant_model=oracle, do_sample=False,
+                           dmtp_verify_length=case["verify_length"], **options)  # fmt: skip
     return plain, ours
 
 

@@ -24,6 +24,7 @@ from dmtp_hf.assistant import widths as widths_module
 from dmtp_hf.assistant.drafters import DMTPDrafter, MTPDrafter
 from dmtp_hf.assistant.widths import AutoWidth, Calibration, CostModel, width_policy
 from dmtp_hf.cli import main
+from dmtp_hf.evaluation.calibration import reliability, split_pairs
 from dmtp_hf.testing.tiny_targets import load_tiny_target
 
 
@@ -156,6 +157,11 @@ def test_calibration_is_monotone_fits_what_it_saw_and_round_trips(tmp_path, targ
     assert abs(float(got[0, 0]) - 0.95**2) < 0.08 and abs(float(got[0, 1]) - 0.475) < 0.08
     assert float(got[1, 0]) < 0.1 and float(got[1, 1]) < 0.15
     assert torch.equal(Calibration.from_dict(calibration.to_dict())(got), calibration(got))
+    # judged on pairs it was not fitted on, the fit beats the raw confidence (which over-predicts here)
+    fit, held = split_pairs(pairs, 0.25)
+    for row in reliability(Calibration.fit(fit), held):
+        assert row["brier_calibrated"] < row["brier_confidence"], row
+        assert all(abs(point["predicted"] - point["observed"]) < 0.12 for point in row["curve"] if point["count"] > 50)
     # stored in the draft's config, it is what "auto" decodes with after save/load
     target = targets["qwen3_5"]
     draft = draft_for(target)
@@ -201,10 +207,12 @@ def test_calibrate_fits_stores_and_auto_reads_it(models_dir, tmp_path, capsys):
             "--datasets", "gsm8k", "--limit", "2", "--max-new-tokens", "12", "--output-dir", str(tmp_path / "out"),
             "--no-progress", "--write"]  # fmt: skip
     assert main(argv) == 0
-    assert "P(accepted | confidence)" in capsys.readouterr().out
+    assert "Brier" in capsys.readouterr().out
     report = json.loads((tmp_path / "out" / "calibration.json").read_text())["dmtp"]
-    tested = [row["tested"] for row in report["positions"]]
-    assert tested[0] > 0 and tested == sorted(tested, reverse=True)  # a candidate is tested only after its elders
+    assert (tmp_path / "out" / "reliability.png").read_bytes()[:4] == b"\x89PNG"
+    rows = report["positions"]
+    assert rows[0]["tested"] > 0 and all(0 <= row["brier_calibrated"] <= 1 for row in rows)
+    assert report["held_out"] == round(0.25 * report["pairs"])
     stored = json.loads((draft_dir / "config.json").read_text())["dmtp_config"]["acceptance_calibration"]
     assert stored == {"edges": report["edges"], "rates": report["rates"]}
     target = load_tiny_target(models_dir / "target")
@@ -225,3 +233,16 @@ def test_eval_compares_fixed_and_auto_widths_side_by_side(models_dir, tmp_path):
     assert not results["dmtp"]["verify_widths"] and sum(results["dmtp:auto"]["verify_widths"].values()) > 0
     assert max(len(r["hist"]) for r in results["mtp2:1"]["requests"]) == 3  # K = 2 slots: never more than 1 accepted
     assert results["mtp2:1"]["hist"][2] == 0
+
+
+def test_target_generate_takes_dmtp_verify_length(targets):
+    target = targets["qwen3_5"]
+    draft = draft_for(target)
+    prompt = torch.tensor([[5, 17, 42, 9]])
+    reference = greedy_reference(target, prompt, max_new_tokens=10)
+    out = target.generate(prompt, assistant_model=draft, do_sample=False, max_new_tokens=10,
+                          dmtp_verify_length="auto", return_dict_in_generate=True)  # fmt: skip
+    assert torch.equal(out.sequences, reference)
+    assert sum(out.spec_stats.verify_widths.values()) == out.spec_stats.num_rounds
+    with pytest.raises(ValueError, match="verify_length"):
+        target.generate(prompt, assistant_model=draft, max_new_tokens=4, dmtp_verify_length=-2)

@@ -18,7 +18,7 @@ import torch
 
 from ..assistant.widths import AutoWidth, Calibration, CostModel
 
-__all__ = ["CalibrationRecorder", "store_calibration"]
+__all__ = ["CalibrationRecorder", "plot_reliability", "reliability", "split_pairs", "store_calibration"]
 
 
 class CalibrationRecorder(AutoWidth):
@@ -56,17 +56,62 @@ def store_calibration(checkpoint: str | os.PathLike, calibration: Calibration) -
     return path
 
 
-def calibration_table(calibration: Calibration, pairs: list[tuple[int, float, bool]]) -> list[dict[str, Any]]:
-    """Per position: the number of tested candidates, their acceptance rate and the fitted rate per confidence bin."""
+def split_pairs(pairs: list[tuple[int, float, bool]], held_out: float, seed: int = 0):
+    """``(fit, held)``: a seeded random split of the recorded pairs (``held_out`` the held fraction)."""
+    order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(seed)).tolist()
+    cut = int(round(len(pairs) * held_out))
+    return [pairs[i] for i in order[cut:]], [pairs[i] for i in order[:cut]]
+
+
+def reliability(calibration: Calibration, pairs: list[tuple[int, float, bool]], num_bins: int = 10):
+    """Per candidate position, on ``pairs`` (held out from the fit): the Brier score of the raw confidence and of the
+    calibrated prediction, and the reliability curve (mean prediction vs observed acceptance per prediction bin)."""
     rows = []
-    for position, rates in enumerate(calibration.rates):
-        seen = [accepted for p, _, accepted in pairs if p == position]
+    for position in range(1 + max((p for p, _, _ in pairs), default=-1)):
+        own = [(conf, accepted) for p, conf, accepted in pairs if p == position]
+        if not own:
+            continue
+        conf = torch.tensor([[c] for c, _ in own])
+        observed = torch.tensor([float(a) for _, a in own])
+        # the map of this position: the confidence in column `position` of a [N, position + 1] block
+        predicted = calibration(torch.cat([torch.zeros(len(own), position), conf], dim=1))[:, position]
+        bins = (predicted * num_bins).long().clamp(max=num_bins - 1)
+        curve = [
+            {"predicted": float(predicted[bins == b].mean()), "observed": float(observed[bins == b].mean()),
+             "count": int((bins == b).sum())}
+            for b in range(num_bins) if bool((bins == b).any())
+        ]  # fmt: skip
         rows.append(
             {
                 "position": position + 1,
-                "tested": len(seen),
-                "acceptance": sum(seen) / len(seen) if seen else None,
-                "rates": rates,
+                "tested": len(own),
+                "acceptance": float(observed.mean()),
+                "brier_confidence": float(((conf[:, 0] - observed) ** 2).mean()),
+                "brier_calibrated": float(((predicted - observed) ** 2).mean()),
+                "curve": curve,
             }
         )
     return rows
+
+
+def plot_reliability(report: dict[str, list[dict[str, Any]]], path: str | os.PathLike) -> Path:
+    """One panel per strategy: observed acceptance against the calibrated prediction, a line per position."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(report), figsize=(4.2 * len(report), 4), squeeze=False)
+    for axis, (label, rows) in zip(axes[0], report.items(), strict=True):
+        axis.plot([0, 1], [0, 1], color="grey", linestyle=":", linewidth=1)
+        for row in rows:
+            curve = row["curve"]
+            axis.plot([c["predicted"] for c in curve], [c["observed"] for c in curve], marker="o", markersize=3,
+                      label=f"T{row['position']} (Brier {row['brier_calibrated']:.3f})")  # fmt: skip
+        axis.set(title=f"{label}: held-out reliability", xlabel="predicted P(accepted)", ylabel="observed",
+                 xlim=(0, 1), ylim=(0, 1))  # fmt: skip
+        axis.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)

@@ -156,6 +156,10 @@ def add_subcommands(sub) -> None:
         "--write", action="store_true", help="store each fit in its draft's config.json (what auto widths read)"
     )
     calibrate.add_argument("--bins", type=int, default=10, help="confidence bins per position (default 10)")
+    calibrate.add_argument(
+        "--held-out", type=float, default=0.25, help="fraction of recorded candidates the reported Brier scores and "
+        "reliability curves are computed on (fit on the rest; the stored fit uses all)",
+    )  # fmt: skip
     calibrate.set_defaults(func=cmd_calibrate)
 
     push = sub.add_parser("push", help="upload a DMTP checkpoint with a generated model card to the Hugging Face Hub")
@@ -244,7 +248,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     from ..assistant.widths import Calibration
     from .acceptance import run_acceptance_eval
-    from .calibration import CalibrationRecorder, calibration_table, store_calibration
+    from .calibration import CalibrationRecorder, plot_reliability, reliability, split_pairs, store_calibration
 
     args.verify_length = None
     loaded = _load(args)
@@ -256,28 +260,28 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         strategy.verify_length = CalibrationRecorder(strategy.num_candidates)
     run_acceptance_eval(loaded["target"], loaded["tokenizer"], loaded["prompt_sets"], drafts, loaded["settings"],
                         paths=loaded["paths"], progress=not args.no_progress)  # fmt: skip
-    report, console = {}, _console()
+    report, curves, console = {}, {}, _console()
     for strategy in drafts:
         pairs = strategy.verify_length.pairs
-        calibration = Calibration.fit(pairs, num_bins=args.bins)
-        rows = calibration_table(calibration, pairs)
-        report[strategy.label] = {"checkpoint": strategy.checkpoint, **calibration.to_dict(), "positions": rows}
-        table = Table(title=f"{strategy.label}: P(accepted | confidence), fitted per candidate position")
-        table.add_column("position", justify="right")
-        table.add_column("tested", justify="right")
-        table.add_column("accepted", justify="right")
-        for edge in calibration.edges:
-            table.add_column(f"<={edge:.1f}", justify="right")
+        fit, held = split_pairs(pairs, args.held_out, seed=args.seed)
+        rows = reliability(Calibration.fit(fit, num_bins=args.bins), held, args.bins)  # judged on held-out pairs
+        calibration = Calibration.fit(pairs, num_bins=args.bins)  # what is stored: fitted on everything
+        report[strategy.label] = {"checkpoint": strategy.checkpoint, "pairs": len(pairs), "held_out": len(held),
+                                  **calibration.to_dict(), "positions": rows}  # fmt: skip
+        curves[strategy.label] = rows
+        table = Table(title=f"{strategy.label}: P(accepted | confidence) per candidate position (held-out Brier)")
+        for column in ("position", "tested", "accepted", "Brier raw", "Brier calibrated"):
+            table.add_column(column, justify="right")
         for row in rows:
-            rate = "-" if row["acceptance"] is None else f"{100 * row['acceptance']:.1f}%"
-            table.add_row(str(row["position"]), str(row["tested"]), rate, *(f"{r:.2f}" for r in row["rates"]))
+            table.add_row(str(row["position"]), str(row["tested"]), f"{100 * row['acceptance']:.1f}%",
+                          f"{row['brier_confidence']:.4f}", f"{row['brier_calibrated']:.4f}")  # fmt: skip
         console.print(table)
         if args.write:
             console.print(f"wrote {store_calibration(strategy.checkpoint.partition('@')[0], calibration)}")
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "calibration.json").write_text(json.dumps(report, indent=2) + "\n")
-    console.print(f"wrote {out / 'calibration.json'}")
+    console.print(f"wrote {out / 'calibration.json'} and {plot_reliability(curves, out / 'reliability.png')}")
     return 0
 
 
@@ -341,7 +345,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from .acceptance import encode_conversation, generation_kwargs
     from .models import eos_token_ids, load_target
-    from .throughput import bench_table, build_baselines, plot_throughput, run_benchmark
+    from .throughput import (
+        bench_table,
+        build_baselines,
+        plot_throughput,
+        run_benchmark,
+        verify_cost_table,
+        verify_costs,
+    )
 
     if args.prompt_lookup_tokens < 1:
         raise ValueError("--prompt-lookup-tokens must be >= 1")
@@ -382,6 +393,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             repeats=args.repeats,
             progress=not args.no_progress,
         )
+        widest = 1 + max((s.num_candidates for s in loaded["strategies"]), default=7)
+        results["verify_costs"] = verify_costs(target, args.batch_sizes, widest)
     results["models"] = {
         "target": loaded["paths"].target,
         "assistant": args.assistant,
@@ -396,6 +409,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     plot = plot_throughput(results, out / "throughput.png")
     console = _console()
     console.print(bench_table(results))
+    console.print(verify_cost_table(results["verify_costs"]))
     console.print(f"wrote json: {out / 'bench.json'}")
     console.print(f"wrote plot: {plot}")
     return 0

@@ -78,6 +78,7 @@ def build_baselines(
         ]
         plural = "s" if strategy.num_candidates != 1 else ""
         description = f"{what}, {strategy.num_candidates} candidate{plural}"
+        description += f", verify_length={width}" if width is not None else ""
         baselines.append(Baseline(strategy.label, description, ours, max_batch_size=None))  # batched engine
 
     def builtin(**extra: Any) -> RunFn:
@@ -295,6 +296,31 @@ def bench_table(results: dict[str, Any]):
         match = first.get("matches_generate")
         note = baseline["skipped"] and f"skipped: {baseline['skipped']}" or baseline["description"]
         table.add_row(baseline["name"], *cells, "n/a" if match is None else f"{100 * match:.0f}%", note)
+    return table
+
+
+def verify_costs(target, batch_sizes: list[int], max_width: int) -> dict[str, dict[str, float]]:
+    """Seconds of one target forward over 1..``max_width`` tokens per batch size, as ``verify_length="auto"`` measures
+    them (`widths.CostModel`): ``{batch: {width: seconds}}``."""
+    from ..assistant.widths import CostModel
+
+    return {str(b): {str(w): t for w, t in CostModel.measure(target, b, max_width).verify.items()} for b in batch_sizes}
+
+
+def verify_cost_table(costs: dict[str, dict[str, float]]):
+    """A rich ``Table``: milliseconds per verify width and batch size, and the ratio to a one-token step."""
+    from rich.table import Table
+
+    table = Table(title="target forward cost per width (what verify_length=auto weighs; ms, × a 1-token step)")
+    table.add_column("width", justify="right")
+    for batch in costs:
+        table.add_column(f"bs={batch} ms", justify="right")
+        table.add_column(f"bs={batch} ×1", justify="right")
+    for width in next(iter(costs.values()), {}):
+        cells = []
+        for by_width in costs.values():
+            cells += [f"{1000 * by_width[width]:.2f}", f"{by_width[width] / by_width['1']:.2f}"]
+        table.add_row(width, *cells)
     return table
 
 
