@@ -48,6 +48,16 @@ def tiny_draft_config(**overrides) -> DMTPConfig:
     return DMTPConfig(**kwargs)
 
 
+@pytest.fixture(autouse=True)
+def fresh_accelerator_state():
+    """accelerate keeps one process-wide state: a test asking for bf16 after another made it with "no" must not fail
+    because of the order the tests ran in."""
+    yield
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
 @pytest.fixture(scope="module")
 def targets(tmp_path_factory):
     """One tiny random checkpoint (with its native MTP head) per family, loaded once per test module."""

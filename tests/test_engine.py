@@ -548,33 +548,50 @@ def test_a_greedy_round_synchronises_with_the_host_once(targets, monkeypatch):
 
 def test_the_engines_per_round_bookkeeping_does_not_grow_with_length(targets):
     """O(L) copying in total: tokens, cache validity and drafter state are written in place, so the engine's own
-    per-round work (commit + rollback stages) at the end of a 1,024-token generation costs what it cost at the
-    start (ratio of the last 10 rounds to the first 10 <= 1.3; noise-robust medians)."""
+    per-round work (commit + rollback stages) at the end of a 384-token generation is what it was at the start.
+    Work is counted, not timed: the elements every tensor op of those stages writes (a dispatch mode sees each op;
+    views write nothing)."""
     import contextlib
-    import time
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class ElementsWritten(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if not func.is_view:
+                self.count += sum(t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+            return out
 
     class PerRound(SpecStats):
         def __init__(self, *args):
             super().__init__(*args)
-            self.rounds_seconds = []
+            self.rounds_elements = []
 
         @contextlib.contextmanager
         def stage(self, name, sync_device=None):
-            start = time.perf_counter()
-            with super().stage(name, sync_device):
+            if name not in ("commit", "rollback"):
+                with super().stage(name, sync_device):
+                    yield
+                return
+            with super().stage(name, sync_device), ElementsWritten() as counter:
                 yield
-            if name in ("commit", "rollback"):
-                self.rounds_seconds.append(time.perf_counter() - start)
+            self.rounds_elements.append(counter.count)
 
     target = targets["deepseek_v3"]
     prompt = torch.tensor([[5, 17, 42, 9]])
-    reference = greedy_reference(target, prompt, max_new_tokens=1024, eos_token_id=None)
+    reference = greedy_reference(target, prompt, max_new_tokens=384, eos_token_id=None)
     drafter = strategies(target)["dflash"]
     stats = PerRound(drafter.num_candidates, "dflash")
     out, _ = speculative_decode(target, prompt, OracleMix(drafter, reference, seed=3), max_length=reference.shape[1],
                                 stats=stats)  # fmt: skip
     assert torch.equal(out, reference)
-    per_round = [a + b for a, b in zip(stats.rounds_seconds[::2], stats.rounds_seconds[1::2])]  # commit + rollback
-    assert len(per_round) > 100
+    per_round = [a + b for a, b in zip(stats.rounds_elements[::2], stats.rounds_elements[1::2])]  # commit + rollback
+    assert len(per_round) > 50 and min(per_round) > 0
+    # medians: the rare round that doubles a buffer (amortised O(1)) copies what it holds
     first, last = sorted(per_round[5:25])[10], sorted(per_round[-20:])[10]
-    assert last <= 1.3 * first, (first, last)
+    assert last <= 1.1 * first, (first, last)

@@ -15,13 +15,18 @@ batch of rows:
 
 Rows that finish leave the batch (:class:`ActiveBatch`), so later rounds do no work for them. The greedy path
 synchronises with the host once per round (the committed counts, which statistics and slicing need).
+
+Options of :func:`speculative_decode`: ``verify_mode`` greedy, match, rejection or block; ``draft_sampling``
+(default: on for rejection/block); ``rollback`` rebuild or replay; ``outputs`` keeps scores/logits;
+``verify_length`` all K, a number, "auto" or an ``AutoWidth``; ``compile_config`` compiles the verify forward
+(static cache, batch size 1).
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import LogitsProcessorList, StoppingCriteriaList
-from transformers.cache_utils import Cache, DynamicCache
+from transformers import CompileConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers.cache_utils import Cache, DynamicCache, StaticCache
 
 from ..modeling.native_mtp.hidden import TargetHiddenExtractor
 from .batch import Accepted, ActiveBatch, RoundHost, StepOutputs
@@ -44,9 +49,13 @@ class TargetRunner:
     Only the hidden states the drafter reads are requested (``output_hidden_states`` with layer indices).
     """
 
-    def __init__(self, target, drafter: Drafter, cache: Cache) -> None:
+    def __init__(self, target, drafter: Drafter, cache: Cache, compile_config=None) -> None:
         self.target = target
         self.cache = cache
+        # the verify forward, compiled (Transformers' own `get_compiled_call`, cached on the target) when asked; one
+        # graph per verify width (1..K+1), so Dynamo's recompile limit (8) must cover K + 1 of them
+        self.verify_call = target.get_compiled_call(compile_config) if compile_config is not None else target
+        self.recompile_limit = max(torch._dynamo.config.recompile_limit, drafter.num_candidates + 2)
         self.hidden_indices = [i + 1 for i in drafter.target_layer_ids()] if drafter.needs_features else []
         self.mtp_extractor = TargetHiddenExtractor(target, drafter.hidden_input) if drafter.needs_mtp_hidden else None
         # GatedDeltaNet layers run multi-token calls through a chunked kernel that pads to 64-token chunks; a verify
@@ -54,11 +63,12 @@ class TargetRunner:
         # through the model's kwargs): the same computation, 1.5-2x cheaper at 2-8 tokens on CPU.
         self.linear_attention = any(is_gated_delta_net(module) for module in target.modules())
 
-    def forward(self, input_ids, positions, attention_mask=None, logits_to_keep: int = 0, capture: bool = True):
+    def forward(self, input_ids, positions, attention_mask=None, logits_to_keep: int = 0, capture: bool = True,
+                call=None):  # fmt: skip
         """Target forward over ``input_ids`` ``[B, q]`` at ``positions`` ``[B, q]``: (logits, features, mtp_hidden)."""
         width = input_ids.shape[1]
         kernel_kwargs = {"chunk_size": width} if self.linear_attention and 1 < width < 64 else {}
-        out = self.target(
+        out = (call or self.target)(
             input_ids=input_ids,
             position_ids=positions,
             attention_mask=attention_mask,
@@ -74,6 +84,13 @@ class TargetRunner:
         if capture and self.mtp_extractor is not None:
             mtp_hidden = self.mtp_extractor()
         return out.logits, features, mtp_hidden
+
+    def verify(self, input_ids: torch.Tensor, positions: torch.Tensor, attention_mask=None):
+        """The round's verify forward (compiled when the call asked for it): (logits, features, mtp_hidden)."""
+        if self.verify_call is self.target:
+            return self.forward(input_ids, positions, attention_mask)
+        with torch._dynamo.config.patch(recompile_limit=self.recompile_limit):
+            return self.forward(input_ids, positions, attention_mask, call=self.verify_call)
 
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
         """A forward that only advances the cache (the ``replay`` rollback re-runs kept tokens with it)."""
@@ -168,15 +185,22 @@ def check_inputs(
     return mode
 
 
-def target_cache(target, cache: Cache | None, batch_size: int, max_length: int, num_candidates: int) -> Cache:
-    """The target's cache for the call (a new ``DynamicCache`` by default). Static caches: batch size 1 and room for
-    one verify past ``max_length``."""
+def target_cache(target, cache: Cache | None, batch_size: int, max_length: int, num_candidates: int,
+                 compile_config=None) -> Cache:  # fmt: skip
+    """The target's cache for the call (a new ``DynamicCache`` by default; a ``StaticCache`` for a compiled verify,
+    whose shapes must not grow). Static caches: batch size 1 and room for one verify past ``max_length``."""
+    if cache is None and compile_config is not None:
+        cache = StaticCache(config=target.config, max_cache_len=max_length + num_candidates + 1)
     cache = cache if cache is not None else DynamicCache(config=target.config)
     capacity = static_capacity(cache)
+    if compile_config is not None and capacity is None:
+        raise ValueError("A compiled verify needs a static cache (cache_implementation='static'), not a growing one.")
     if capacity is None:
         return cache
     if batch_size > 1:
-        raise NotImplementedError("Static caches support batch size 1 (ragged rows grow the cache unboundedly).")
+        raise NotImplementedError(
+            "Static caches (and so a compiled verify) support batch size 1 (ragged rows grow the cache unboundedly)."
+        )
     if capacity < max_length + num_candidates + 1:
         raise ValueError(
             f"The static cache holds {capacity} tokens, too few: speculative decoding up to max_length={max_length} "
@@ -227,18 +251,18 @@ def speculative_decode(
     profile: bool = False,
     outputs: StepOutputs | None = None,
     verify_length: int | str | None = None,
+    compile_config: CompileConfig | None = None,
 ) -> tuple[torch.Tensor, SpecStats]:
     """Generate after ``input_ids`` ``[B, P]`` (left-padded) with ``drafter``: ``(sequences, stats)`` as ``generate``
-    returns them. ``verify_mode``: greedy, match, rejection, block; ``draft_sampling`` (default: for rejection/block);
-    ``rollback``: rebuild/replay; ``outputs``: keep scores; ``verify_length``: all K, a number, "auto", `AutoWidth`."""
+    returns them (the options: this module's docstring)."""
     mode = check_inputs(target, verify_mode, do_sample, input_ids, attention_mask, streamer, verify_length)
-    cache = target_cache(target, cache, input_ids.shape[0], max_length, drafter.num_candidates)
+    cache = target_cache(target, cache, input_ids.shape[0], max_length, drafter.num_candidates, compile_config)
     stats = stats if stats is not None else SpecStats(drafter.num_candidates, drafter.name)
     stats.sync_device, requests = input_ids.device if profile else None, [stats.new_request() for _ in input_ids]
     select = TokenSelector(logits_processor, mode in SAMPLED_DRAFTS if draft_sampling is None else draft_sampling)
     processors = RowProcessors(logits_processor, input_ids)  # each row's inputs exactly as plain generate's
     stopping = RowStopping(input_ids, stopping_criteria, eos_token_id, pad_token_id)
-    runner, state = TargetRunner(target, drafter, cache), None
+    runner, state = TargetRunner(target, drafter, cache, compile_config), None
     try:
         with stats.stage("prefill"):
             batch, step, state = prefill(runner, input_ids, attention_mask, max_length, stopping, logits_processor,
@@ -256,7 +280,7 @@ def speculative_decode(
                     verify_ids, verify_positions = batch.verify_inputs(candidates)
                     with state.verifying(verify_ids, verify_positions):
                         mask = state.attention_mask(verify_ids.shape[1], target.dtype)
-                        logits, features, mtp_hidden = runner.forward(verify_ids, verify_positions, mask)
+                        logits, features, mtp_hidden = runner.verify(verify_ids, verify_positions, mask)
                     scores = processors.block(logits, batch, candidates)
                     # 3. Accept the longest valid prefix, plus one bonus/correction token per row.
                     verdict = verify(mode, candidates, scores, proposal.scores, select.do_sample)

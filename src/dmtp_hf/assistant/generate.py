@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import StoppingCriteriaList, StopStringCriteria
+from transformers import CompileConfig, StoppingCriteriaList, StopStringCriteria
 from transformers.cache_utils import StaticCache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
@@ -121,6 +121,7 @@ def dmtp_custom_generate(
     dmtp_verify_length: int | str | None = None,
     dmtp_draft_sampling: bool | None = None,
     dmtp_profile: bool = False,
+    dmtp_compile: bool | CompileConfig = False,
     **model_kwargs,
 ):
     """A ``custom_generate`` decoding method: ``target.generate(..., custom_generate=dmtp_custom_generate,
@@ -132,8 +133,10 @@ def dmtp_custom_generate(
     cache = model_kwargs.get("cache") or model_kwargs.get("past_key_values")
     capacity = static_capacity(cache) if cache is not None else None
     needed = generation_config.max_length + dmtp_drafter.num_candidates + 1
-    if capacity is not None and capacity < needed:
-        # Transformers sized it for `max_length - 1`; a verify writes K + 1 slots past the committed tokens.
+    compile_config = compiled_verify_config(model, dmtp_compile, generation_config)
+    if (capacity is not None and capacity < needed) or (compile_config is not None and capacity is None):
+        # Transformers sized it for `max_length - 1`; a verify writes K + 1 slots past the committed tokens. A
+        # compiled verify needs fixed shapes: a static cache.
         cache = StaticCache(config=model.config, max_cache_len=needed)
     dict_out = generation_config.return_dict_in_generate
     outputs = None
@@ -157,6 +160,7 @@ def dmtp_custom_generate(
         streamer=dmtp_streamer,
         profile=dmtp_profile,
         outputs=outputs,
+        compile_config=compile_config,
     )
     if not dict_out:
         return sequences
@@ -165,6 +169,21 @@ def dmtp_custom_generate(
         sequences=sequences, cache=cache, spec_stats=stats, scores=outputs and outputs.steps("scores", steps),
         logits=outputs and outputs.steps("logits", steps),
     )  # fmt: skip
+
+
+def compiled_verify_config(target, compile: bool | CompileConfig, generation_config=None) -> CompileConfig | None:
+    """The ``CompileConfig`` of a compiled verify (``None``: eager). ``True``: the generation config's
+    ``compile_config`` if it has one, else Transformers' default on CUDA (CUDA graphs) and plain inductor
+    (``mode="default"``, static shapes) elsewhere."""
+    if compile is False or compile is None:
+        return None
+    if isinstance(compile, CompileConfig):
+        return compile
+    configured = getattr(generation_config, "compile_config", None)
+    if configured is not None:
+        return configured
+    on_cuda = target.get_input_embeddings().weight.device.type == "cuda"
+    return CompileConfig() if on_cuda else CompileConfig(fullgraph=False, dynamic=False, mode="default")
 
 
 def generate(
@@ -180,13 +199,15 @@ def generate(
     streamer=None,
     fast_path: bool = False,
     verify_length: int | str | None = None,
+    compile: bool | CompileConfig = False,
     **generate_kwargs: Any,
 ):
     """Speculative ``generate`` with a DMTP draft, a DFlash draft or a native MTP head, via ``custom_generate``.
 
     Equivalent to ``target.generate(input_ids, assistant_model=assistant, **generate_kwargs)`` on a bound target,
     with the drafting ``strategy`` ("dmtp", "dflash", "mtp") and ``verify_mode`` ("greedy", "match",
-    "rejection") made explicit; ``fast_path=True`` runs the drafters at fixed shapes (CUDA graphs on GPU).
+    "rejection") made explicit; ``fast_path=True`` runs the drafters at fixed shapes (CUDA graphs on GPU);
+    ``compile=True`` (or a ``CompileConfig``) compiles the target's verify forward over a static cache (batch 1).
     """
     drafter = as_drafter(assistant, strategy=strategy, mtp_steps=mtp_steps, fast_path=fast_path)
     if drafter is None:
@@ -195,5 +216,5 @@ def generate(
         )
     original = getattr(target, ROUTER_ORIGINAL, target.generate)
     options = {"dmtp_verify_mode": verify_mode, "dmtp_draft_sampling": draft_sampling, "dmtp_profile": profile,
-               "dmtp_verify_length": verify_length}  # fmt: skip
+               "dmtp_verify_length": verify_length, "dmtp_compile": compile}  # fmt: skip
     return original(input_ids, **engine_kwargs(target, drafter, streamer, generate_kwargs, **options))

@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
+from ..modeling.native_mtp.hidden import on_thread
+
 # Up to this many verify tokens the state is rebuilt with the recurrent kernel, beyond with the chunked one (measured
 # crossover on CPU: 16 tokens, where both cost the same).
 RECURRENT_MAX_STEPS = 16
@@ -61,7 +63,7 @@ class _GateCapture:
 
     def _keep(self, b=None, a=None, ba=None) -> None:
         # Hooks see every forward of the layer: only this call's verify, in this call's thread, is captured.
-        if not self.recorder.capturing or threading.get_ident() != self.recorder.thread:
+        if not self.recorder.capturing or not on_thread(self.recorder.thread):
             return
         if ba is not None:  # Qwen3-Next: [B, T, k_heads, 2 * v_per_k] grouped as (b, a) per key head
             layer = self.layer

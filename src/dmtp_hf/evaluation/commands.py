@@ -145,6 +145,10 @@ def add_subcommands(sub) -> None:
     bench.add_argument("--assistant", help="small assistant model for Transformers' assisted decoding")
     bench.add_argument("--prompt-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens (default 10)")
     bench.add_argument("--repeats", type=int, default=1, help="repeat the workload (interleaved) N times")
+    bench.add_argument(
+        "--compile", action="store_true",
+        help="compile the target's verify forward (static cache, batch size 1) and add plain generate compiled",
+    )  # fmt: skip
     bench.set_defaults(func=cmd_bench)
 
     calibrate = sub.add_parser(
@@ -380,6 +384,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         assistant_path=args.assistant,
         verify_mode=settings.resolved_verify_mode,
         verify_length=settings.verify_length,
+        compile=args.compile,
     )
     with torch.no_grad():
         results = run_benchmark(

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from ..assistant.generate import compiled_verify_config
 from ..assistant.generate import generate as dmtp_generate
 from .acceptance import EvalSettings, _environment, _finite
 from .models import Strategy
@@ -58,20 +59,25 @@ def build_baselines(
     assistant_path: str | None = None,
     verify_mode: str | None = None,
     verify_length: int | str | None = None,
+    compile: bool = False,
 ) -> list[Baseline]:
-    """Plain ``generate``, our strategies, then Transformers' built-ins (with skip notes where unsupported)."""
+    """Plain ``generate``, our strategies, then Transformers' built-ins (with skip notes where unsupported).
+    ``compile``: our strategies verify with a compiled target forward (batch size 1), next to plain ``generate``
+    compiled the way Transformers does it (static cache, compiled decoding step)."""
 
     def plain(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return target.generate(ids, attention_mask=mask, **gen_kwargs)
 
     baselines = [Baseline("generate", "plain target.generate (reference)", plain, max_batch_size=None)]
+    if compile:
+        baselines.append(compiled_plain_baseline(target, gen_kwargs))
 
     for strategy in strategies:
         width = strategy.verify_length if strategy.verify_length is not None else verify_length
 
         def ours(ids: torch.Tensor, mask: torch.Tensor, drafter=strategy.drafter, width=width) -> torch.Tensor:
             return dmtp_generate(target, ids, drafter, verify_mode=verify_mode, attention_mask=mask,
-                                 verify_length=width, **gen_kwargs)  # fmt: skip
+                                 verify_length=width, compile=compile, **gen_kwargs)  # fmt: skip
 
         what = {"dmtp": "DMTP (native MTP T1 + DFlash T2..)", "dflash": "our DFlash", "mtp": "our native MTP"}[
             strategy.kind
@@ -79,7 +85,9 @@ def build_baselines(
         plural = "s" if strategy.num_candidates != 1 else ""
         description = f"{what}, {strategy.num_candidates} candidate{plural}"
         description += f", verify_length={width}" if width is not None else ""
-        baselines.append(Baseline(strategy.label, description, ours, max_batch_size=None))  # batched engine
+        description += ", compiled verify" if compile else ""
+        # the batched engine; a compiled verify runs over a static cache, batch size 1
+        baselines.append(Baseline(strategy.label, description, ours, max_batch_size=1 if compile else None))
 
     def builtin(**extra: Any) -> RunFn:
         def run(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -112,6 +120,19 @@ def build_baselines(
     if assisted.skipped is None and is_stateful:
         assisted.skipped = stateful
     return [*baselines, lookup, mtp, assisted]
+
+
+def compiled_plain_baseline(target, gen_kwargs: dict[str, Any]) -> Baseline:
+    """Plain ``generate`` with Transformers' own compilation: a static cache and the compiled one-token step (on
+    every device: Transformers compiles on CUDA only unless told otherwise)."""
+    config = compiled_verify_config(target, True)
+    config._compile_all_devices = True
+
+    def run(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return target.generate(ids, attention_mask=mask, cache_implementation="static", compile_config=config,
+                               **gen_kwargs)  # fmt: skip
+
+    return Baseline("generate_compiled", "plain target.generate, compiled (static cache)", run, max_batch_size=1)
 
 
 def _pad_left(prompts: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,6 +18,13 @@ from .head import HIDDEN_INPUTS, HiddenInput
 __all__ = ["TargetHiddenExtractor"]
 
 
+def on_thread(thread: int) -> bool:
+    """Whether this forward runs on ``thread``. Hooks use it to ignore other threads' forwards of a shared target;
+    inside a compiled forward (traced once, run on the calling thread) the check is skipped, as Dynamo cannot trace
+    ``threading.get_ident``."""
+    return torch.compiler.is_compiling() or threading.get_ident() == thread
+
+
 class TargetHiddenExtractor:
     """Capture the target hidden states an MTP head is fed, for every forward of ``target``.
 
@@ -42,7 +49,7 @@ class TargetHiddenExtractor:
         self._handle = self.final_norm.register_forward_hook(self._hook, with_kwargs=True)
 
     def _hook(self, module, args: tuple, kwargs: dict, output: torch.Tensor) -> None:
-        if threading.get_ident() != self._thread:
+        if not on_thread(self._thread):
             return
         if self.hidden_input == "pre_norm":
             self._captured = args[0] if args else next(iter(kwargs.values()))
