@@ -93,6 +93,8 @@ class DMTPConfig(Qwen3Config):
     - ``fusion``: how the MTP hidden reaches T1's slot: ``"none"``, ``"hidden_residual"`` (low-rank),
       ``"residual"`` (zero-initialised ``W[RMS(E(T1)); RMS(h)]`` added to ``E(T1)``) or ``"replace"``.
     - ``num_candidates``: draft tokens proposed per round (T1..T7 by default, i.e. 7).
+    - ``draft_vocab_size``: the draft predicts over this many target tokens only (EAGLE-3's ``d2t``/``t2d``
+      buffers in the checkpoint; ``None``: the whole vocabulary). The target still verifies over all of it.
 
     Example:
 
@@ -113,6 +115,7 @@ class DMTPConfig(Qwen3Config):
     is_causal: bool | None = None
     dflash_config: dict | None = None
     dmtp_config: dict | None = None
+    draft_vocab_size: int | None = None
 
     def __post_init__(
         self,
@@ -199,6 +202,10 @@ class DMTPConfig(Qwen3Config):
                 raise ValueError(f"target_layer_ids {ids} out of range for num_target_layers={self.num_target_layers}.")
         if self.mask_token_id is not None and not 0 <= self.mask_token_id:
             raise ValueError(f"mask_token_id must be >= 0, got {self.mask_token_id}.")
+        if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(
+                f"draft_vocab_size must be in 1..vocab_size={self.vocab_size}, got {self.draft_vocab_size}."
+            )
         if self.backbone == "dflash2":
             self._validate_dflash2()
 

@@ -90,11 +90,17 @@ class CandidateSelector(nn.Module):
         self.successor_codebook = nn.Parameter(torch.zeros(config.vocab_size, rank))
 
     def scores(
-        self, unary: torch.Tensor, projected: torch.Tensor, previous: torch.Tensor
+        self,
+        unary: torch.Tensor,
+        projected: torch.Tensor,
+        previous: torch.Tensor,
+        token_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Candidates ``[..., k]`` (the top-k of ``unary [..., V]``) and their walk scores ``[..., k]`` after the
-        token ``previous [...]``, for slots whose projected hidden is ``projected [..., r]``."""
+        token ``previous [...]``, for slots whose projected hidden is ``projected [..., r]``. ``unary`` over a draft
+        vocabulary ``[..., Vd]``: ``token_ids [Vd]`` maps its columns to target ids."""
         top, candidates = unary.topk(self.top_k, dim=-1)
+        candidates = token_ids[candidates] if token_ids is not None else candidates
         context = self.predecessor_codebook[previous] * projected  # [..., r]
         transition = torch.einsum("...r,...kr->...k", context.float(), self.successor_codebook[candidates].float())
         return candidates, top.float() + transition

@@ -39,6 +39,7 @@ from .attention_masks import layer_kinds, one_block_masks, pad_keys_to_block_mas
 from .binding import UNBOUND_ASSISTANT, bind_draft, bound_native_mtp
 from .configuration_dmtp import DMTPConfig, require_local_directory
 from .dflash2 import CandidateSelector, GroupedDynamicCausalConv
+from .draft_vocab import draft_logits, register_draft_vocabulary
 from .fusion import FirstCandidateFusion
 from .io import check_finite, check_loading_info, save_dflash_checkpoint
 
@@ -253,6 +254,7 @@ class DMTPDraftModel(DMTPPreTrainedModel):
         self.rotary_emb = DMTPRotaryEmbedding(config=config)
         self.fusion = FirstCandidateFusion(config) if config.anchor_layout != "dflash" else None
         self.candidate_selector = CandidateSelector(config) if config.backbone == "dflash2" else None
+        register_draft_vocabulary(self, config.draft_vocab_size, config.vocab_size)  # d2t / t2d, or None
         # What a checkpoint may lack, initialised as documented instead (the one place this is decided: Transformers
         # drops these from the loading report): the fusion of a DFlash checkpoint, DFlash2's parts of a DFlash one.
         excused = [r"^fusion\."] if self.fusion is not None and config.checkpoint_without_fusion else []
@@ -319,16 +321,10 @@ class DMTPDraftModel(DMTPPreTrainedModel):
         scale = self.config.dflash_config.get("input_embedding_scale")
         return embeds * scale if scale not in (None, 1, 1.0) else embeds
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Draft logits through the target LM head, with DFlash's optional output multiplier and softcap."""
-        logits = self.target_head(hidden_states.to(self.target_head.weight.dtype))
-        multiplier = self.config.dflash_config.get("output_multiplier")
-        if multiplier not in (None, 1, 1.0):
-            logits = logits * multiplier
-        softcap = self.config.dflash_config.get("final_logit_softcapping")
-        if softcap:
-            logits = torch.tanh(logits / softcap) * softcap
-        return logits
+    def compute_logits(self, hidden_states: torch.Tensor, subset: bool = False) -> torch.Tensor:
+        """Draft logits through the target LM head (DFlash's multiplier and softcap; a draft vocabulary's rows only,
+        scattered into the full vocabulary unless ``subset``): `draft_vocab.draft_logits`."""
+        return draft_logits(self, self.target_head, hidden_states, subset)
 
     def block_embeddings(
         self,

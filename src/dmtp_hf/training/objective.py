@@ -42,6 +42,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..modeling.attention_masks import AttentionLayout, draft_attention_masks, layer_kinds
 from ..modeling.configuration_dmtp import DMTPConfig
+from ..modeling.draft_vocab import IGNORE_INDEX, draft_token_ids, to_draft_ids
 from ..modeling.modeling_dmtp import DMTPDraftModel
 
 __all__ = [
@@ -333,13 +334,17 @@ def _cross_entropy_rows(draft: DMTPDraftModel, hidden, labels, predecessors=None
     """Per-row loss and prediction through the draft's LM head: the cross-entropy over the vocabulary, plus, with a
     DFlash2 backbone, ``selector_weight`` x the selector's cross-entropy over the top-k candidates (SpecForge's: the
     walk's score after the true previous token; rows whose label is not a candidate add nothing). The prediction is
-    then the walk's pick."""
-    logits = draft.compute_logits(hidden).float()  # [m, V]
-    loss = F.cross_entropy(logits, labels, reduction="none")
+    then the walk's pick. A draft vocabulary is trained over its own tokens (answers' tokens outside it add nothing)."""
+    # [m, V], or [m, Vd] over a draft vocabulary (its columns are the target ids `token_ids`; never scattered here)
+    logits = draft.compute_logits(hidden, subset=True).float()
+    token_ids = draft_token_ids(draft) if draft.d2t is not None else None
+    gold_ids = to_draft_ids(draft, labels) if token_ids is not None else labels
+    loss = F.cross_entropy(logits, gold_ids, reduction="none", ignore_index=IGNORE_INDEX)
     selector = draft.candidate_selector
     if selector is None:
-        return loss, logits.argmax(dim=-1)
-    candidates, scores = selector.scores(logits, selector.hidden_projection(hidden), predecessors)  # [m, k] each
+        predicted = logits.argmax(dim=-1)
+        return loss, token_ids[predicted] if token_ids is not None else predicted
+    candidates, scores = selector.scores(logits, selector.hidden_projection(hidden), predecessors, token_ids)
     gold = candidates == labels[:, None]
     covered = gold.any(dim=-1)
     selector_loss = F.cross_entropy(scores, gold.float().argmax(dim=-1), reduction="none") * covered

@@ -32,6 +32,7 @@ from transformers import get_cosine_schedule_with_warmup
 
 from ..bundled import resolve_target_path
 from ..modeling import DMTPDraftModel
+from ..modeling.draft_vocab import frequency_ranked_vocabulary, set_draft_vocabulary
 from .checkpoints import CheckpointMixin
 from .config import TrainConfig
 from .data import collate, load_dataset_records, synthetic_greedy_dataset
@@ -99,6 +100,7 @@ class Trainer(CheckpointMixin):
         )
 
         self.train_dataset, self.eval_dataset = self._datasets(train_dataset, eval_dataset)
+        self.draft_vocab_stats = self._fill_draft_vocabulary(draft) if draft is not None else None
         self.schedule = StepSchedule(
             len(self.train_dataset),
             config.micro_batch_size,
@@ -158,6 +160,22 @@ class Trainer(CheckpointMixin):
         if config.gradient_checkpointing:
             draft.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         return wrap_lora(config, draft, ["fusion"] if draft.fusion is not None else None) if config.lora else draft
+
+    def _fill_draft_vocabulary(self, draft: nn.Module) -> dict[str, float] | None:
+        """A draft vocabulary from scratch (``draft_config.draft_vocab_size``): the training answers' most frequent
+        target tokens, EOS always in. A draft continued from a checkpoint keeps the checkpoint's."""
+        model = draft.get_base_model() if hasattr(draft, "get_base_model") else draft
+        if getattr(model, "d2t", None) is None or self.config.init_from:
+            return None
+        answers = (item["input_ids"][item["loss_mask"].bool()].tolist() for item in self.train_dataset)
+        eos = self.target.generation_config.eos_token_id
+        always = [eos] if isinstance(eos, int) else list(eos or [])
+        ids, stats = frequency_ranked_vocabulary(answers, model.d2t.numel(), model.t2d.numel(), always)
+        set_draft_vocabulary(model, ids)
+        if self.accelerator.is_main_process:
+            print(f"draft vocabulary: {len(ids)} of {model.t2d.numel()} tokens, {stats['coverage']:.1%} of the "
+                  f"training answers' tokens")  # fmt: skip
+        return stats
 
     def _build_objective(self, draft: nn.Module | None) -> nn.Module:
         """What accelerate wraps: the draft objective, the head objective (``only``), or both (``joint``)."""
@@ -405,6 +423,7 @@ class Trainer(CheckpointMixin):
             "anchor_layout": None if config.train_mtp_head == "only" else self.draft.config.anchor_layout,
             "fusion": None if config.train_mtp_head == "only" else self.draft.config.fusion,
             "trainable_parameters": sum(p.numel() for p in self.objective.parameters() if p.requires_grad),
+            "draft_vocabulary": self.draft_vocab_stats,  # coverage of the training answers (from scratch)
             "last_eval": self.last_eval,
             "config": config.to_dict(),
         }

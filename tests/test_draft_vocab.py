@@ -1,0 +1,146 @@
+"""Draft vocabularies (EAGLE-3's ``d2t``/``t2d``): the mapping, the checkpoint, lossless decoding, training."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import draft_for
+from test_fast_path import Recorder
+from test_lossless import TEMPERATURE, chi_square_p, exact_distribution
+from test_training import target_dir  # noqa: F401  (a saved tiny target, for the trainer)
+
+from dmtp_hf import DMTPDraftModel
+from dmtp_hf.assistant import DFlashDrafter, DMTPDrafter, speculative_decode
+from dmtp_hf.modeling.draft_vocab import (
+    IGNORE_INDEX,
+    coverage,
+    draft_token_ids,
+    frequency_ranked_vocabulary,
+    set_draft_vocabulary,
+    to_draft_ids,
+)
+
+
+def test_mapping_is_eagle3s_layout_and_inverts():
+    """``target = draft + d2t[draft]``, ``t2d`` marks the subset, labels outside it are ignored."""
+    draft = DMTPDraftModel.__new__(DMTPDraftModel)  # only the buffers matter here
+    torch.nn.Module.__init__(draft)
+    from dmtp_hf.modeling.draft_vocab import register_draft_vocabulary
+
+    register_draft_vocabulary(draft, 4, 10)
+    set_draft_vocabulary(draft, [7, 2, 9, 3])
+    assert draft.d2t.tolist() == [2, 2, 5, 6]  # ids 2, 3, 7, 9
+    assert draft_token_ids(draft).tolist() == [2, 3, 7, 9]
+    assert draft.t2d.nonzero().flatten().tolist() == [2, 3, 7, 9]
+    assert to_draft_ids(draft, torch.tensor([9, 2, 4, 7])).tolist() == [3, 0, IGNORE_INDEX, 2]
+    assert coverage(draft, [[2, 3, 4, 5]]) == 0.5
+    with pytest.raises(ValueError, match="holds 4 tokens"):
+        set_draft_vocabulary(draft, [1, 2, 3])
+
+
+def test_frequency_ranking_keeps_the_always_tokens_and_reports_coverage():
+    ids, stats = frequency_ranked_vocabulary([[5, 5, 5, 6, 6, 7], [5, 8]], size=3, vocab_size=10, always=[1])
+    assert ids == [1, 5, 6]  # EOS first, then by count (ties by id)
+    assert stats["coverage"] == pytest.approx(6 / 8)
+    padded, _ = frequency_ranked_vocabulary([[4]], size=3, vocab_size=10)
+    assert padded == [0, 1, 4]  # fewer distinct tokens than the size: filled by id
+
+
+def test_subset_logits_are_the_full_heads_rows_and_scatter_with_minus_inf(targets):
+    target = targets["deepseek_v3"]
+    vocab = target.config.vocab_size
+    full = draft_for(target)
+    pruned = draft_for(target, draft_vocab_size=vocab // 4)
+    pruned.load_state_dict(full.state_dict(), strict=False)
+    set_draft_vocabulary(pruned, torch.randperm(vocab, generator=torch.Generator().manual_seed(0))[: vocab // 4])
+    hidden = torch.randn(2, 3, target.config.hidden_size)
+    ids = draft_token_ids(pruned)
+    reference = full.compute_logits(hidden)
+    torch.testing.assert_close(pruned.compute_logits(hidden, subset=True), reference[..., ids])
+    scattered = pruned.compute_logits(hidden)
+    assert scattered.shape == reference.shape
+    torch.testing.assert_close(scattered[..., ids], reference[..., ids])
+    assert torch.isneginf(scattered[..., ~pruned.t2d]).all()
+
+
+def test_checkpoint_round_trip_keeps_the_vocabulary_and_refuses_a_missing_one(tmp_path, targets):
+    target = targets["qwen3_5"]
+    draft = draft_for(target, draft_vocab_size=40)
+    set_draft_vocabulary(draft, range(10, 50))
+    draft.save_pretrained(tmp_path / "d")
+    loaded = DMTPDraftModel.from_pretrained(tmp_path / "d")
+    assert loaded.config.draft_vocab_size == 40
+    assert torch.equal(loaded.d2t, draft.d2t) and torch.equal(loaded.t2d, draft.t2d)
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(tmp_path / "d" / "model.safetensors"))
+    assert weights["d2t"].dtype == torch.int64 and weights["t2d"].dtype == torch.bool  # EAGLE-3's top-level keys
+    save_file({k: v for k, v in weights.items() if k != "d2t"}, str(tmp_path / "d" / "model.safetensors"))
+    with pytest.raises(ValueError, match="missing"):
+        DMTPDraftModel.from_pretrained(tmp_path / "d")
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_5"])
+def test_greedy_output_is_plain_generates_with_a_draft_vocabulary(targets, family):
+    """The target verifies over its whole vocabulary: a draft confined to a subset only loses acceptance."""
+    target = targets[family]
+    prompt = torch.tensor([[5, 17, 42, 9], [1, 5, 17, 42]])
+    reference = target.generate(prompt, do_sample=False, max_new_tokens=24)
+    plain = target.generate(prompt[:1], do_sample=False, max_new_tokens=24)
+    used = torch.unique(reference)
+    for layout in ["dual", "dflash"]:
+        extra = {"anchor_layout": layout, "fusion": "none"} if layout == "dflash" else {}
+        draft = draft_for(target, draft_vocab_size=used.numel(), **extra)
+        set_draft_vocabulary(draft, used)  # the reference's own tokens: drafts can be accepted
+        drafter = Recorder(DMTPDrafter(draft, draft.native_mtp) if layout == "dual" else DFlashDrafter(draft))
+        out, stats = speculative_decode(target, prompt[:1], drafter, max_length=plain.shape[1])
+        assert torch.equal(out, plain), layout
+        # the draft's own candidates (DMTP: T2.., T1 is the native head's) are subset tokens, mapped to target ids
+        first = 1 if layout == "dual" else 0
+        assert drafter.proposals and all(torch.isin(p[:, first:], used).all() for p in drafter.proposals)
+        out = target.generate(prompt, assistant_model=draft, do_sample=False, max_new_tokens=24)
+        assert torch.equal(out, reference), layout
+
+
+def test_sampled_output_keeps_the_targets_distribution_with_a_pruned_q(vocab6):
+    """Rejection sampling with a draft over 3 of 6 tokens (q = 0 on the others): exact in distribution."""
+    target, prompt, steps, runs = vocab6, torch.tensor([[1, 2, 0]]), 2, 700
+    draft = draft_for(target, anchor_layout="dflash", fusion="none", num_candidates=3, target_layer_ids=[0],
+                      draft_vocab_size=3)  # fmt: skip
+    set_draft_vocabulary(draft, [0, 2, 4])
+    exact = exact_distribution(target, prompt, steps, TEMPERATURE)
+    counts, accepted = {}, 0
+    torch.manual_seed(5)
+    for _ in range(runs):
+        out, stats = speculative_decode(
+            target, prompt, DFlashDrafter(draft), max_length=prompt.shape[1] + steps, do_sample=True,
+            logits_processor=TEMPERATURE, verify_mode="rejection",
+        )  # fmt: skip
+        key = tuple(out[0, prompt.shape[1] :].tolist())
+        counts[key] = counts.get(key, 0) + 1
+        accepted += sum(stats.hist[1:]) > 0
+    assert accepted > runs // 20
+    assert chi_square_p(counts, exact, runs) > 1e-3
+    assert any(token in (1, 3, 5) for key in counts for token in key)  # tokens outside the subset still come out
+
+
+def test_training_from_scratch_builds_the_vocabulary_from_the_answers(tmp_path, target_dir):  # noqa: F811
+    """``draft_config.draft_vocab_size``: the subset is the training answers' most frequent tokens (EOS in), the
+    loss is finite, and the exported checkpoint carries the mapping."""
+    from test_training import make_config, random_dataset
+
+    from dmtp_hf.training import Trainer
+    from dmtp_hf.training.features import load_target
+
+    config = make_config(tmp_path, max_steps=2, save_every=2)
+    config.draft_config["draft_vocab_size"] = 24
+    data = random_dataset(8, 24)
+    trainer = Trainer(config, target=load_target(target_dir), train_dataset=data)
+    answers = torch.cat([item["input_ids"][item["loss_mask"].bool()] for item in data])
+    most_common = torch.bincount(answers).argmax()
+    assert trainer.draft.t2d[most_common] and int(trainer.draft.t2d.sum()) == 24
+    assert 0 < trainer.draft_vocab_stats["coverage"] <= 1
+    trainer.train()
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in trainer.history if "loss" in h)
+    final = DMTPDraftModel.from_pretrained(tmp_path / "run" / "final")
+    assert torch.equal(final.t2d, trainer.draft.t2d.cpu())
