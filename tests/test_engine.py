@@ -293,12 +293,12 @@ def _exact_distribution(target, prompt, steps, temperature):
 )
 def test_sampling_preserves_target_distribution(tiny_vocab_target, strategy, mode):
     """Chi-square goodness of fit of the first 3 sampled tokens against the exact target distribution, at a 0.1%
-    significance level (a biased verifier gives p ~ 1e-70 here)."""
+    significance level (a biased verifier fails it by many orders of magnitude)."""
     from scipy.stats import chisquare  # noqa: PLC0415
 
     target = tiny_vocab_target
     prompt = torch.tensor([[1, 2, 0]])
-    steps, temperature, runs = 3, 1.5, 1200
+    steps, temperature, runs = 3, 1.5, 600
     exact = _exact_distribution(target, prompt, steps, temperature)
     from transformers import LogitsProcessorList, TemperatureLogitsWarper
 
