@@ -178,10 +178,17 @@ def test_omitted_paths_resolve_to_the_bundled_models():
     assert paths.mtp_head == str(bundled["mtp_head_tuned"]) and paths.dflash_draft == str(bundled["dflash"])
     # The drafts trained on the target's own head keep it.
     assert paths.heads == {"native": str(bundled["target"])}
-    assert paths.extra_drafts == {
+    expected = {
         "dmtp-native-head": f"{bundled['dmtp']}@native",
         "dmtp-from-dflash": f"{bundled['dmtp_from_dflash']}@native",
     }
+    # The DFlash2 backbone's drafts, when bundled: DMTP(D2) on the default (tuned) head
+    from dmtp_hf.bundled import MODELS_DIR, OPTIONAL_MODELS
+
+    for name, folder in OPTIONAL_MODELS.items():
+        if (MODELS_DIR / folder / "config.json").is_file():
+            expected[name.replace("_", "-")] = str(MODELS_DIR / folder)
+    assert paths.extra_drafts == expected
 
 
 def test_default_strategies_bind_the_tuned_head_and_the_native_one_where_trained():
