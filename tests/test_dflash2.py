@@ -11,7 +11,7 @@ from conftest import draft_for
 from safetensors.torch import load_file, save_file
 from test_engine import OracleMix, greedy_reference
 from test_fast_path import Recorder
-from test_lossless import TEMPERATURE, chi_square_p, exact_distribution
+from test_lossless import TEMPERATURE, chi_square_p, exact_distribution, sample_rejection
 
 from dmtp_hf import DMTPDraftModel
 from dmtp_hf.assistant import speculative_decode
@@ -150,16 +150,7 @@ def test_dflash2_walk_samples_the_targets_distribution(vocab6):
     draft = dflash2_draft(target, top_k=3, anchor_layout="dflash", fusion="none", num_candidates=3,
                           num_hidden_layers=1, target_layer_ids=[0])  # fmt: skip
     exact = exact_distribution(target, prompt, steps, TEMPERATURE)
-    counts, accepted = {}, 0
-    torch.manual_seed(7)
-    for _ in range(runs):
-        out, stats = speculative_decode(
-            target, prompt, DFlashDrafter(draft), max_length=prompt.shape[1] + steps, do_sample=True,
-            logits_processor=TEMPERATURE, verify_mode="rejection",
-        )  # fmt: skip
-        key = tuple(out[0, prompt.shape[1] :].tolist())
-        counts[key] = counts.get(key, 0) + 1
-        accepted += sum(stats.hist[1:]) > 0
+    counts, accepted = sample_rejection(target, prompt, DFlashDrafter(draft), steps, runs, seed=7)
     assert accepted > runs // 20
     assert chi_square_p(counts, exact, runs) > 1e-3
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import draft_for
 from test_fast_path import Recorder
-from test_lossless import TEMPERATURE, chi_square_p, exact_distribution
+from test_lossless import TEMPERATURE, chi_square_p, exact_distribution, sample_rejection
 from test_training import target_dir  # noqa: F401  (a saved tiny target, for the trainer)
 
 from dmtp_hf import DMTPDraftModel
@@ -109,16 +109,7 @@ def test_sampled_output_keeps_the_targets_distribution_with_a_pruned_q(vocab6):
                       draft_vocab_size=3)  # fmt: skip
     set_draft_vocabulary(draft, [0, 2, 4])
     exact = exact_distribution(target, prompt, steps, TEMPERATURE)
-    counts, accepted = {}, 0
-    torch.manual_seed(5)
-    for _ in range(runs):
-        out, stats = speculative_decode(
-            target, prompt, DFlashDrafter(draft), max_length=prompt.shape[1] + steps, do_sample=True,
-            logits_processor=TEMPERATURE, verify_mode="rejection",
-        )  # fmt: skip
-        key = tuple(out[0, prompt.shape[1] :].tolist())
-        counts[key] = counts.get(key, 0) + 1
-        accepted += sum(stats.hist[1:]) > 0
+    counts, accepted = sample_rejection(target, prompt, DFlashDrafter(draft), steps, runs, seed=5)
     assert accepted > runs // 20
     assert chi_square_p(counts, exact, runs) > 1e-3
     assert any(token in (1, 3, 5) for key in counts for token in key)  # tokens outside the subset still come out

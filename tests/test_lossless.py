@@ -280,6 +280,22 @@ MIN_P = LogitsProcessorList([TemperatureLogitsWarper(1.2), MinPLogitsWarper(0.15
 TEMPERATURE = LogitsProcessorList([TemperatureLogitsWarper(1.5)])
 
 
+def sample_rejection(target, prompt, drafter, steps: int, runs: int, seed: int, processors=None):
+    """``runs`` sampled continuations of ``steps`` tokens under rejection verification: (counts per continuation,
+    runs in which some draft token was accepted)."""
+    counts, accepted = {}, 0
+    torch.manual_seed(seed)
+    for _ in range(runs):
+        out, stats = speculative_decode(
+            target, prompt, drafter, max_length=prompt.shape[1] + steps, do_sample=True,
+            logits_processor=processors if processors is not None else TEMPERATURE, verify_mode="rejection",
+        )  # fmt: skip
+        key = tuple(out[0, prompt.shape[1] :].tolist())
+        counts[key] = counts.get(key, 0) + 1
+        accepted += sum(stats.hist[1:]) > 0
+    return counts, accepted
+
+
 @pytest.mark.parametrize(
     "name,strategy,processors,extra",
     [
