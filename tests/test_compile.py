@@ -56,6 +56,24 @@ def test_compiled_verify_through_target_generate_at_every_width(targets):
         assert torch.equal(out, reference), width
 
 
+def test_compiled_verify_keeps_its_graphs_across_prompt_lengths(targets):
+    """A second call with another prompt length compiles nothing new: the static cache's length (guarded on by every
+    graph) is bucketed and never shrinks for a target, as Transformers' own ``generate`` keeps it."""
+    from torch._dynamo.utils import counters
+
+    target = targets["qwen3_5"]
+    draft = draft_for(target)
+    counters.clear()
+    for length in (6, 4, 9):
+        prompt = torch.arange(5, 5 + length)[None]
+        reference = target.generate(prompt, do_sample=False, max_new_tokens=12)
+        out = dmtp_generate(target, prompt, draft, do_sample=False, max_new_tokens=12, compile=TRACE_ONLY)
+        assert torch.equal(out, reference), length
+        if length == 6:
+            graphs = counters["stats"]["unique_graphs"]
+    assert graphs >= 1 and counters["stats"]["unique_graphs"] == graphs
+
+
 def test_compile_settings_and_refusals(targets):
     """``True`` picks the generation config's ``compile_config`` or a default per device; a growing cache and a
     batch are refused with a reason."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 from transformers import CompileConfig, LogitsProcessorList, StoppingCriteriaList
-from transformers.cache_utils import Cache, DynamicCache, StaticCache
+from transformers.cache_utils import Cache, DynamicCache
 
 from ..modeling.native_mtp.hidden import TargetHiddenExtractor
 from .batch import Accepted, ActiveBatch, RoundHost, StepOutputs
@@ -35,7 +35,7 @@ from .linear_attention import is_gated_delta_net
 from .processing import RowProcessors
 from .stats import RequestStats, SpecStats
 from .stopping import RowStopping
-from .target_cache import TargetCacheState, static_capacity
+from .target_cache import TargetCacheState, new_static_cache, static_capacity
 from .target_step import TargetStep
 from .verification import VERIFY_MODES, process_logits, select_tokens, verify
 from .widths import check_verify_length, width_policy
@@ -190,7 +190,7 @@ def target_cache(target, cache: Cache | None, batch_size: int, max_length: int, 
     """The target's cache for the call (a new ``DynamicCache`` by default; a ``StaticCache`` for a compiled verify,
     whose shapes must not grow). Static caches: batch size 1 and room for one verify past ``max_length``."""
     if cache is None and compile_config is not None:
-        cache = StaticCache(config=target.config, max_cache_len=max_length + num_candidates + 1)
+        cache = new_static_cache(target, max_length + num_candidates + 1)
     cache = cache if cache is not None else DynamicCache(config=target.config)
     capacity = static_capacity(cache)
     if compile_config is not None and capacity is None:

@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 from transformers import CompileConfig, StoppingCriteriaList, StopStringCriteria
-from transformers.cache_utils import StaticCache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..modeling.modeling_dmtp import DMTPDraftModel
@@ -23,7 +22,7 @@ from .decoding import speculative_decode
 from .drafters import DFlashDrafter, DMTPDrafter, Drafter, MTPDrafter
 from .options import check_generate_options
 from .stats import SpecStats
-from .target_cache import static_capacity
+from .target_cache import new_static_cache, static_capacity
 
 ROUTER_ORIGINAL = "_dmtp_original_generate"  # where the router keeps a target's own `generate`
 
@@ -137,7 +136,7 @@ def dmtp_custom_generate(
     if (capacity is not None and capacity < needed) or (compile_config is not None and capacity is None):
         # Transformers sized it for `max_length - 1`; a verify writes K + 1 slots past the committed tokens. A
         # compiled verify needs fixed shapes: a static cache.
-        cache = StaticCache(config=model.config, max_cache_len=needed)
+        cache = new_static_cache(model, needed)
     dict_out = generation_config.return_dict_in_generate
     outputs = None
     if dict_out and (generation_config.output_scores or generation_config.output_logits):

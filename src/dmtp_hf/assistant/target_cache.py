@@ -21,6 +21,7 @@ from transformers.cache_utils import (
     DynamicLayer,
     DynamicSlidingWindowLayer,
     LinearAttentionCacheLayerMixin,
+    StaticCache,
     StaticLayer,
 )
 
@@ -41,6 +42,20 @@ def crop_attention(layer, tokens_to_remove: int) -> None:
             if tokens_to_remove or attention_class is DynamicSlidingWindowLayer:
                 attention_class.crop(layer, -tokens_to_remove)
             return
+
+
+STATIC_CACHE_BUCKET = 256  # static cache lengths are multiples of this
+
+
+def new_static_cache(target, max_cache_len: int) -> StaticCache:
+    """A ``StaticCache`` of at least ``max_cache_len`` slots, rounded up to a multiple of `STATIC_CACHE_BUCKET` and
+    never smaller than the last one made for ``target`` (the attribute Transformers' ``generate`` keeps for the same
+    purpose): a compiled verify keeps its graphs across calls instead of recompiling every width for each new prompt
+    length (the cache's length is in every graph's guards)."""
+    bucketed = -(-max_cache_len // STATIC_CACHE_BUCKET) * STATIC_CACHE_BUCKET
+    size = max(bucketed, getattr(target, "_previous_max_cache_length", -1))
+    target._previous_max_cache_length = size
+    return StaticCache(config=target.config, max_cache_len=size)
 
 
 def static_capacity(cache: Cache) -> int | None:
