@@ -143,6 +143,44 @@ def test_auto_width_follows_confidence_and_cost():
     assert policy.prior[0] > 0.5 and policy.prior[1] > 0.5 and policy.prior[2] == 0.5
 
 
+def test_auto_drafts_only_when_it_pays_and_probes_at_doubling_intervals():
+    steep = CostModel({1: 1.0, 2: 1.9, 3: 2.8, 4: 3.7})
+    policy = AutoWidth(steep, Calibration(), 3)
+    policy.prior = [0.05] * 3  # what a weak draft's rounds taught it
+    decisions = [policy.drafts(2, [[]] * 4) for _ in range(31)]
+    probes = [i for i, drafts in enumerate(decisions) if drafts]
+    assert probes == [1, 5, 13, 29]  # after 2, 4, 8 and 16 plain rounds
+    assert policy.widths == [0] * (31 - len(probes)) and policy.plain == policy.skipped == 31 - len(probes)
+    policy.prior = [0.95] * 3  # the text turned predictable: every round drafts, the interval starts over
+    assert all(policy.drafts(2, [[]] * 4) for _ in range(5)) and policy.probe_interval == 2
+
+
+def test_rounds_where_drafting_does_not_pay_run_no_drafter_stage(targets, monkeypatch):
+    """A weak draft under ``auto``: most rounds are plain decoding steps that run neither the MTP head's prediction
+    nor the DFlash forward (only the state is kept), the output still the plain one."""
+    from dmtp_hf.assistant.drafter_state import MTPState
+
+    target = targets["qwen3_5"]
+    draft = draft_for(target)
+    predictions, dflash_calls = [], []
+    predict = MTPState.predict
+    monkeypatch.setattr(MTPState, "predict", lambda self: predictions.append(1) or predict(self))
+    handle = draft.register_forward_hook(lambda *args: dflash_calls.append(1))
+    prompt = torch.tensor([[5, 17, 42, 9]])
+    reference = greedy_reference(target, prompt)
+    policy = AutoWidth(CostModel({w: 1.0 + 0.9 * (w - 1) for w in range(1, 9)}), Calibration(), 7)
+    policy.prior = [0.02] * 7
+    try:
+        out, stats = speculative_decode(target, prompt, DMTPDrafter(draft, draft.native_mtp),
+                                        max_length=reference.shape[1], verify_length=policy)  # fmt: skip
+    finally:
+        handle.remove()
+    assert torch.equal(out, reference)
+    drafted = stats.num_rounds - stats.plain_rounds
+    assert stats.num_rounds > 20 and drafted <= 5, (stats.num_rounds, stats.plain_rounds)
+    assert len(predictions) <= drafted and len(dflash_calls) <= drafted + 1  # + the context prefill
+
+
 def test_calibration_is_monotone_fits_what_it_saw_and_round_trips(tmp_path, targets):
     rng = random.Random(0)
     pairs = []

@@ -274,6 +274,14 @@ class _StatefulDrafter(Drafter):
         state.kv.limit = self.capacity
         return state
 
+    def _plain_round(self, anchor_ids: torch.Tensor, stages: list[list[str]]) -> Proposal | None:
+        """An empty proposal (the round is a plain decoding step and runs no drafter stage) at width 0, or in auto
+        mode when drafting does not pay from the priors (``stages[k]``: what a width-k round runs); else ``None``."""
+        policy = self.width_policy
+        if policy == 0 or (isinstance(policy, AutoWidth) and not policy.drafts(anchor_ids.shape[0], stages)):
+            return Proposal(anchor_ids.new_empty(anchor_ids.shape[0], 0), None)
+        return None
+
     def _width(self, proposal: Proposal, stages: list[list[str]] | None = None) -> Proposal:
         """The proposal cut to the round's width: the policy's choice from its candidates' confidences."""
         policy = self.width_policy
@@ -343,6 +351,9 @@ class DFlashDrafter(_StatefulDrafter):
 
     def propose(self, anchor_ids, anchor_positions, select, stats, max_candidates=None) -> Proposal:
         """``[A, MASK x K]`` -> up to K candidates."""
+        plain = self._plain_round(anchor_ids, [[]] + [["dflash"]] * self.num_candidates)
+        if plain is not None:
+            return plain
         with stats.stage("dflash"), self._timed("dflash"):
             hidden, logits = self.context.block_outputs(self.draft.block_embeddings(anchor_ids), anchor_positions)
             tokens, scores = block_candidates(self.draft, hidden, logits, anchor_ids, select, limit=max_candidates)
@@ -379,6 +390,9 @@ class MTPDrafter(_StatefulDrafter):
 
     def propose(self, anchor_ids, anchor_positions, select, stats, max_candidates=None) -> Proposal:
         """Chain the MTP layer k times; each step is selected with the processors and the tokens it extends."""
+        plain = self._plain_round(anchor_ids, [["mtp_step"] * k for k in range(self.num_candidates + 1)])
+        if plain is not None:
+            return plain
         chosen: list[torch.Tensor] = []
         scores: list[torch.Tensor] = []
 
@@ -449,10 +463,14 @@ class DMTPDrafter(_StatefulDrafter):
         """T1 from the cached MTP hidden, fusion, one DFlash forward for T2..T7 (none when only T1 is wanted)."""
         # with auto width: DFlash runs only when the rest of the block is expected to pay for its forward
         dflash = [[]] * 2 + [["dflash"]] * (self.num_candidates - 1)
+        plain = self._plain_round(anchor_ids, [[], ["t1"]] + [["t1", "dflash"]] * (self.num_candidates - 1))
+        if plain is not None:
+            return plain
         with stats.stage("t1_fusion"):
-            t1_logits, mtp_hidden = self.mtp.predict()  # the MTP hidden that predicted T1
-            t1, t1_scores = select(t1_logits[:, None])
-            if max_candidates == 1 or self.width_policy in (0, 1) or self._skip_dflash(t1, t1_scores, dflash):
+            with self._timed("t1"):
+                t1_logits, mtp_hidden = self.mtp.predict()  # the MTP hidden that predicted T1
+                t1, t1_scores = select(t1_logits[:, None])
+            if max_candidates == 1 or self.width_policy == 1 or self._skip_dflash(t1, t1_scores, dflash):
                 return self._width(Proposal(t1, t1_scores))
             block = self.draft.block_embeddings(anchor_ids, t1[:, 0], mtp_hidden)  # [A, T1 + fusion, MASK x 6]
         with stats.stage("dflash"), self._timed("dflash"):

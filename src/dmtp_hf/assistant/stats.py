@@ -63,6 +63,7 @@ class SpecStats:
         # verify_length="auto": rounds per chosen width, and rounds that ran no draft forward beyond T1
         self.verify_widths: dict[int, int] = defaultdict(int)
         self.skipped_drafts = 0
+        self.plain_rounds = 0  # auto rounds that ran no drafter stage (drafting did not pay)
         self.sync_device: torch.device | None = None  # set by `profile=True`: every stage synchronises on CUDA
 
     # -- recording -------------------------------------------------------------------------------------------------
@@ -94,6 +95,7 @@ class SpecStats:
         for width in getattr(policy, "widths", ()):
             self.verify_widths[width] += 1
         self.skipped_drafts += getattr(policy, "skipped", 0)
+        self.plain_rounds += getattr(policy, "plain", 0)
 
     def record_graphs(self, calls) -> None:
         """Add the counters of a drafter's graphed stages (`CUDAGraphCall`s) after a call."""
@@ -114,6 +116,7 @@ class SpecStats:
         for width, count in other.verify_widths.items():
             self.verify_widths[width] += count
         self.skipped_drafts += other.skipped_drafts
+        self.plain_rounds += other.plain_rounds
         return self
 
     # -- metrics ---------------------------------------------------------------------------------------------------
@@ -188,6 +191,7 @@ class SpecStats:
             "cuda_graphs": {**self.cuda_graphs, "failures": list(self.cuda_graphs["failures"])},
             "verify_widths": {str(k): v for k, v in sorted(self.verify_widths.items())},
             "skipped_drafts": self.skipped_drafts,
+            "plain_rounds": self.plain_rounds,
             "requests": [{"rounds": r.rounds, "round_tokens": r.round_tokens, "hist": r.hist} for r in self.requests],
         }
 
@@ -209,6 +213,7 @@ class SpecStats:
         for width, count in (data.get("verify_widths") or {}).items():
             stats.verify_widths[int(width)] += int(count)
         stats.skipped_drafts = int(data.get("skipped_drafts", 0))
+        stats.plain_rounds = int(data.get("plain_rounds", 0))
         return stats
 
     def summary(self) -> str:

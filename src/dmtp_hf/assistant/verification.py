@@ -68,6 +68,10 @@ def verify(
     ``q`` at the candidate, which is the ``q`` used, so the rule stays exact for them too.
     """
     num_candidates = candidates.shape[1]
+    if num_candidates == 0 and mode in VERIFY_MODES:  # a round that drafted nothing is a plain decoding step
+        step = target_scores[:, 0]
+        none = torch.zeros(candidates.shape[0], dtype=torch.long, device=candidates.device)
+        return Verdict(none, select_tokens(step, do_sample=mode != "greedy"))
     if mode == "greedy":
         target_tokens = target_scores.argmax(dim=-1)  # [B, K+1]
         n = _leading_true(candidates == target_tokens[:, :num_candidates])

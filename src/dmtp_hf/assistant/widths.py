@@ -29,6 +29,8 @@ from transformers.cache_utils import DynamicCache
 __all__ = ["AutoWidth", "Calibration", "CostModel", "check_verify_length", "confidences", "width_policy"]
 
 _COSTS: dict[tuple, dict[int, float]] = {}  # (target id, device, dtype, batch) -> width -> seconds
+# Plain rounds between probes of a draft that does not pay (`AutoWidth.drafts`): the first wait, and the longest.
+FIRST_PROBE_INTERVAL, MAX_PROBE_INTERVAL = 2, 32
 
 
 def confidences(tokens: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -165,7 +167,8 @@ def width_policy(verify_length: int | str | None, target, drafter, batch_size: i
         return None
     num_candidates = drafter.num_candidates
     if isinstance(verify_length, AutoWidth):  # a policy built by the caller (its own costs or calibration)
-        verify_length.widths, verify_length.skipped = [], 0
+        verify_length.widths, verify_length.skipped, verify_length.plain = [], 0, 0
+        verify_length.probe_interval, verify_length.plain_rounds = FIRST_PROBE_INTERVAL, 0
         return verify_length
     if verify_length == "auto":
         draft = getattr(drafter, "draft", None)
@@ -192,6 +195,8 @@ class AutoWidth:
         self.prior = [0.5] * max_candidates  # running P(accepted | earlier accepted) per position, for unseen ones
         self.widths: list[int] = []  # the chosen width of every round
         self.skipped = 0  # rounds that ran no draft forward beyond T1 (or none at all)
+        self.plain = 0  # of which rounds that ran no drafter stage at all (`drafts`)
+        self.probe_interval, self.plain_rounds = FIRST_PROBE_INTERVAL, 0  # see `drafts`
 
     def best(self, known: torch.Tensor, draft_stages: list[list[str]]) -> int:
         """The width (0..K) with the most expected tokens per second for the batch, given the acceptance
@@ -204,6 +209,22 @@ class AutoWidth:
         totals = expected.sum(dim=0)  # [K+1] tokens for the batch at each width
         speed = [float(totals[k]) / self.cost.round_seconds(k, draft_stages[k]) for k in range(self.max_candidates + 1)]
         return max(range(len(speed)), key=speed.__getitem__)
+
+    def drafts(self, batch_size: int, draft_stages: list[list[str]]) -> bool:
+        """Before any draft forward: does drafting pay this round, judged on the priors alone? When it does not,
+        the round is a plain decoding step that runs no drafter stage at all (what a weak draft costs then is only
+        keeping its state). Every ``probe_interval`` such rounds one drafts anyway, so the priors keep following
+        the text; the interval doubles (up to `MAX_PROBE_INTERVAL`) while the probes keep losing."""
+        if self.best(torch.empty(batch_size, 0), draft_stages) > 0:
+            self.probe_interval, self.plain_rounds = FIRST_PROBE_INTERVAL, 0
+            return True
+        self.plain_rounds += 1
+        if self.plain_rounds < self.probe_interval:
+            self.widths.append(0)
+            self.skipped, self.plain = self.skipped + 1, self.plain + 1
+            return False
+        self.plain_rounds, self.probe_interval = 0, min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
+        return True
 
     def observe(self, conf: torch.Tensor, accepted: torch.Tensor) -> None:
         """Update the priors with a round's acceptance (``conf`` ``[B, k]``, ``accepted`` ``[B]`` counts)."""
