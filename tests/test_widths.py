@@ -139,17 +139,27 @@ def test_auto_width_follows_confidence_and_cost():
     stages = [[], [], ["dflash"], ["dflash"]]
     assert AutoWidth(slow_draft, Calibration(), 3).best(torch.full((1, 3), 0.9), stages) == 1
     # what the rounds accepted moves the prior of candidates the draft has not yet scored
+    policy.prior = [0.5] * 3
     policy.observe(torch.full((4, 2), 0.5), torch.tensor([2, 2, 2, 2]))
     assert policy.prior[0] > 0.5 and policy.prior[1] > 0.5 and policy.prior[2] == 0.5
+    # an unseen draft is tried before it is judged; evidence moves the estimate at once, then as a moving average
+    fresh = AutoWidth(cheap, Calibration(), 3)
+    assert fresh.prior == [widths_module.PRIOR_ACCEPTANCE] * 3
+    fresh.observe(torch.full((4, 3), 0.5), torch.tensor([0, 0, 0, 0]))
+    assert fresh.prior[0] < 0.35 and fresh.prior[1] == widths_module.PRIOR_ACCEPTANCE
 
 
 def test_auto_drafts_only_when_it_pays_and_probes_at_doubling_intervals():
     steep = CostModel({1: 1.0, 2: 1.9, 3: 2.8, 4: 3.7})
     policy = AutoWidth(steep, Calibration(), 3)
     policy.prior = [0.05] * 3  # what a weak draft's rounds taught it
-    decisions = [policy.drafts(2, [[]] * 4) for _ in range(31)]
+    decisions, full_blocks = [], []
+    for _ in range(31):
+        decisions.append(policy.drafts(2, [[]] * 4))
+        full_blocks.append(policy.best(torch.empty(2, 0), [[]] * 4) == 3)
     probes = [i for i, drafts in enumerate(decisions) if drafts]
     assert probes == [1, 5, 13, 29]  # after 2, 4, 8 and 16 plain rounds
+    assert full_blocks == decisions  # a probe verifies the whole block
     assert policy.widths == [0] * (31 - len(probes)) and policy.plain == policy.skipped == 31 - len(probes)
     policy.prior = [0.95] * 3  # the text turned predictable: every round drafts, the interval starts over
     assert all(policy.drafts(2, [[]] * 4) for _ in range(5)) and policy.probe_interval == 2
@@ -219,7 +229,9 @@ def test_target_costs_are_measured_once_per_target_and_batch(targets, monkeypatc
     first = CostModel.measure(target, 1, 4, repeats=1, context=8)
     CostModel.measure(target, 1, 4, repeats=1, context=8)
     CostModel.measure(target, 2, 4, repeats=1, context=8)
+    CostModel.measure(target, 1, 2, repeats=1, context=8)  # a narrower drafter: what was measured covers it
     assert timed == [1, 2]
+    assert sorted(CostModel.measure(target, 1, 6, repeats=1, context=8).verify) == [1, 2, 3, 4, 5, 6]  # wider
     assert sorted(first.verify) == [1, 2, 3, 4] and all(seconds > 0 for seconds in first.verify.values())
 
 

@@ -31,7 +31,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from ..modeling.native_mtp.hidden import TargetHiddenExtractor
 from .batch import Accepted, ActiveBatch, RoundHost, StepOutputs
 from .drafters import Drafter, TokenSelector
-from .linear_attention import is_gated_delta_net
+from .linear_attention import is_gated_delta_net, verify_kernel_kwargs
 from .processing import RowProcessors
 from .stats import RequestStats, SpecStats
 from .stopping import RowStopping
@@ -58,16 +58,13 @@ class TargetRunner:
         self.recompile_limit = max(torch._dynamo.config.recompile_limit, drafter.num_candidates + 2)
         self.hidden_indices = [i + 1 for i in drafter.target_layer_ids()] if drafter.needs_features else []
         self.mtp_extractor = TargetHiddenExtractor(target, drafter.hidden_input) if drafter.needs_mtp_hidden else None
-        # GatedDeltaNet layers run multi-token calls through a chunked kernel that pads to 64-token chunks; a verify
-        # is K + 1 tokens, so it asks for chunks of its own length (the kernel's `chunk_size`, which reaches it
-        # through the model's kwargs): the same computation, 1.5-2x cheaper at 2-8 tokens on CPU.
         self.linear_attention = any(is_gated_delta_net(module) for module in target.modules())
 
     def forward(self, input_ids, positions, attention_mask=None, logits_to_keep: int = 0, capture: bool = True,
                 call=None):  # fmt: skip
         """Target forward over ``input_ids`` ``[B, q]`` at ``positions`` ``[B, q]``: (logits, features, mtp_hidden)."""
         width = input_ids.shape[1]
-        kernel_kwargs = {"chunk_size": width} if self.linear_attention and 1 < width < 64 else {}
+        kernel_kwargs = verify_kernel_kwargs(self.linear_attention, width)
         out = (call or self.target)(
             input_ids=input_ids,
             position_ids=positions,

@@ -290,8 +290,9 @@ class _StatefulDrafter(Drafter):
         if isinstance(policy, int):
             return Proposal(proposal.tokens[:, :policy], proposal.scores[:, :policy])
         conf = confidences(proposal.tokens, proposal.scores)
-        k = policy.best(policy.calibration(conf), stages or [[]] * (self.num_candidates + 1))
+        k = policy.best(policy.acceptance(conf), stages or [[]] * (self.num_candidates + 1))
         k = min(k, proposal.tokens.shape[1])
+        policy.probing = False
         self._confidence = conf[:, :k]
         policy.widths.append(k)
         return Proposal(proposal.tokens[:, :k], proposal.scores[:, :k])
@@ -317,6 +318,8 @@ class _StatefulDrafter(Drafter):
 
     def select_rows(self, rows: torch.Tensor, rows_host: list[int]) -> bool:
         """Drop finished rows from every piece of state."""
+        if self._confidence is not None:  # the last proposal's, still to be learned from
+            self._confidence = self._confidence[rows]
         for state in (self.mtp, self.context):
             if state is not None:
                 state.select_rows(rows, rows_host)
@@ -412,7 +415,7 @@ class MTPDrafter(_StatefulDrafter):
             if steps > 1:  # the time since the last call is one chain step
                 policy.cost.update("mtp_step", now - last[0])
             last[0] = now
-            known = policy.calibration(confidences(torch.stack(chosen, 1), torch.stack(scores, 1)))
+            known = policy.acceptance(confidences(torch.stack(chosen, 1), torch.stack(scores, 1)))
             return policy.best(known, [["mtp_step"] * k for k in range(self.num_candidates + 1)]) > steps
 
         with stats.stage("mtp"), torch.no_grad():
@@ -484,7 +487,7 @@ class DMTPDrafter(_StatefulDrafter):
         policy = self.width_policy
         if not isinstance(policy, AutoWidth):
             return False
-        skip = policy.best(policy.calibration(confidences(t1, t1_scores)), stages) <= 1
+        skip = policy.best(policy.acceptance(confidences(t1, t1_scores)), stages) <= 1
         policy.skipped += skip
         return skip
 

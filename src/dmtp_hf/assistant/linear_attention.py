@@ -41,6 +41,13 @@ def is_gated_delta_net(module: torch.nn.Module) -> bool:
     return type(module).__name__.endswith("GatedDeltaNet")
 
 
+def verify_kernel_kwargs(has_linear_attention: bool, width: int) -> dict:
+    """What a ``width``-token target forward passes to GatedDeltaNet layers: their chunked kernel pads every call to
+    64-token chunks, so shorter multi-token calls ask for chunks of their own length (the kernel's ``chunk_size``,
+    which reaches it through the model's kwargs): the same computation, 1.5-2x cheaper at 2-8 tokens on CPU."""
+    return {"chunk_size": width} if has_linear_attention and 1 < width < 64 else {}
+
+
 class _GateCapture:
     """Forward hooks on one layer's gate projections; keeps ``b`` and ``a`` ``[B, T, heads]`` of the last call."""
 

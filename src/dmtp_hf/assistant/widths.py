@@ -6,12 +6,18 @@ maximises tokens per second over the batch (``k = 0`` is a plain decoding step):
 
 - `Calibration`: ``P(candidate j accepted | the ones before were)`` from the draft's own confidence (the
   probability it gave its candidate), a monotone map per position fitted on recorded ``(confidence, accepted)``
-  pairs (``dmtp calibrate``) and stored in the draft's config; uncalibrated, the confidence itself.
+  pairs (``dmtp calibrate``) and stored in the draft's config; uncalibrated (MTP-k heads), the confidence
+  rescaled per position to what the rounds accept on average (`AutoWidth.acceptance`).
 - `CostModel`: the target forward's seconds per width, measured on this machine at first use (a short timing of
   dummy forwards, cached per target, device, dtype and batch size; never a constant), and the drafter's stages,
   measured as the generation runs.
-- `AutoWidth`: the choice. DMTP asks it after T1, before running DFlash: when T1 alone (or nothing) is the best
-  bet, the DFlash forward is skipped; MTP-k chains stop when the next step does not pay for itself.
+- `AutoWidth`: the choice. Before drafting, from what earlier rounds accepted per position (optimistic before any
+  evidence, kept across calls for the same draft): when no width pays, the round is a plain step that runs no
+  drafter stage, and a probe that verifies the whole block follows after 2, 4, ... 32 such rounds. DMTP asks
+  again after T1, before running DFlash: when T1 alone (or nothing) is the best bet, the DFlash forward is
+  skipped; MTP-k chains stop when the next step does not pay for itself.
+- One width serves the whole batch: a batch's verify is one padded rectangle, so a shorter block for one row would
+  save no compute and only give up tokens.
 
 Lossless is unchanged: a shorter block is verified exactly as a long one. Choosing reads the confidences on the
 host: one more synchronisation per round in ``auto`` mode.
@@ -20,15 +26,24 @@ host: one more synchronisation per round in ``auto`` mode.
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers.cache_utils import DynamicCache
 
+from .linear_attention import is_gated_delta_net, verify_kernel_kwargs
+
 __all__ = ["AutoWidth", "Calibration", "CostModel", "check_verify_length", "confidences", "width_policy"]
 
 _COSTS: dict[tuple, dict[int, float]] = {}  # (target id, device, dtype, batch) -> width -> seconds
+# What earlier calls learned of a draft's acceptance per position (`AutoWidth.prior`, ...): per draft
+# (or MTP head) module, then per strategy and K.
+_PRIORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # -> {(name, K): (prior, seen, confidence)}
+# Before any evidence a candidate is assumed accepted this often, worth this many observations: optimistic, so a new
+# draft is tried before it is judged. Later evidence moves the estimate with weight >= PRIOR_RATE.
+PRIOR_ACCEPTANCE, PRIOR_WEIGHT, PRIOR_RATE = 0.9, 2.0, 0.1
 # Plain rounds between probes of a draft that does not pay (`AutoWidth.drafts`): the first wait, and the longest.
 FIRST_PROBE_INTERVAL, MAX_PROBE_INTERVAL = 2, 32
 
@@ -116,7 +131,7 @@ class CostModel:
         """Time target forwards of 1..``max_width`` tokens after a ``context``-token prompt (medians; cached)."""
         embedding = target.get_input_embeddings().weight
         key = (id(target), embedding.device, embedding.dtype, batch_size)
-        if key not in _COSTS:
+        if key not in _COSTS or max(_COSTS[key]) < max_width:  # a wider drafter than the last one needs more
             _COSTS[key] = _time_widths(target, batch_size, max_width, repeats, context)
         return cls(dict(_COSTS[key]))
 
@@ -136,8 +151,7 @@ def _time_widths(target, batch_size: int, max_width: int, repeats: int, context:
     vocab = target.get_input_embeddings().weight.shape[0]
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, vocab, (batch_size, context), generator=generator).to(device)
-    cache = DynamicCache(config=target.config)
-    target(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1)
+    has_linear_attention = any(is_gated_delta_net(module) for module in target.modules())
     timings = {}
     for width in range(1, max_width + 1):
         ids = prompt[:, :width]
@@ -147,7 +161,7 @@ def _time_widths(target, batch_size: int, max_width: int, repeats: int, context:
             target(input_ids=prompt, cache=fresh, use_cache=True, logits_to_keep=1)
             _sync(device)
             start = time.perf_counter()
-            target(input_ids=ids, cache=fresh, use_cache=True)
+            target(input_ids=ids, cache=fresh, use_cache=True, **verify_kernel_kwargs(has_linear_attention, width))
             _sync(device)
             samples.append(time.perf_counter() - start)
         timings[width] = sorted(samples[1:])[len(samples[1:]) // 2]
@@ -174,7 +188,13 @@ def width_policy(verify_length: int | str | None, target, drafter, batch_size: i
         draft = getattr(drafter, "draft", None)
         stored = draft.config.dmtp_config.get("acceptance_calibration") if draft is not None else None
         cost = CostModel.measure(target, batch_size, num_candidates + 1)
-        return AutoWidth(cost, Calibration.from_dict(stored), num_candidates)
+        policy = AutoWidth(cost, Calibration.from_dict(stored), num_candidates)
+        source = draft if draft is not None else getattr(drafter, "head", drafter)
+        key = (getattr(drafter, "name", type(drafter).__name__), num_candidates)
+        learned = _PRIORS.setdefault(source, {})
+        kept = learned.setdefault(key, (policy.prior, policy.seen, policy.mean_confidence))  # across calls
+        policy.prior, policy.seen, policy.mean_confidence = kept
+        return policy
     check_verify_length(verify_length)
     return min(verify_length, num_candidates)  # a drafter proposes at most its K
 
@@ -192,7 +212,10 @@ class AutoWidth:
 
     def __init__(self, cost: CostModel, calibration: Calibration, max_candidates: int) -> None:
         self.cost, self.calibration, self.max_candidates = cost, calibration, max_candidates
-        self.prior = [0.5] * max_candidates  # running P(accepted | earlier accepted) per position, for unseen ones
+        self.prior = [PRIOR_ACCEPTANCE] * max_candidates  # P(accepted | earlier accepted) per position, learned
+        self.seen = [0.0] * max_candidates  # tests each prior has absorbed
+        self.mean_confidence = [PRIOR_ACCEPTANCE] * max_candidates  # of the tested candidates (see `acceptance`)
+        self.probing = False  # this round verifies the whole block, whatever the estimates (see `drafts`)
         self.widths: list[int] = []  # the chosen width of every round
         self.skipped = 0  # rounds that ran no draft forward beyond T1 (or none at all)
         self.plain = 0  # of which rounds that ran no drafter stage at all (`drafts`)
@@ -202,6 +225,8 @@ class AutoWidth:
         """The width (0..K) with the most expected tokens per second for the batch, given the acceptance
         probabilities ``known`` ``[B, j]`` of the first j candidates (priors beyond); ``draft_stages[k]`` are the
         drafter stages a width-k round runs."""
+        if self.probing:
+            return self.max_candidates
         batch = known.shape[0]
         rates = torch.tensor(self.prior, dtype=torch.float32, device=known.device).expand(batch, -1).clone()
         rates[:, : known.shape[1]] = known.float()
@@ -213,8 +238,10 @@ class AutoWidth:
     def drafts(self, batch_size: int, draft_stages: list[list[str]]) -> bool:
         """Before any draft forward: does drafting pay this round, judged on the priors alone? When it does not,
         the round is a plain decoding step that runs no drafter stage at all (what a weak draft costs then is only
-        keeping its state). Every ``probe_interval`` such rounds one drafts anyway, so the priors keep following
-        the text; the interval doubles (up to `MAX_PROBE_INTERVAL`) while the probes keep losing."""
+        keeping its state). Every ``probe_interval`` such rounds one drafts and verifies the whole block anyway, so
+        the estimate of every position keeps following the text; the interval doubles (up to `MAX_PROBE_INTERVAL`)
+        while the probes keep losing."""
+        self.probing = False  # a new round
         if self.best(torch.empty(batch_size, 0), draft_stages) > 0:
             self.probe_interval, self.plain_rounds = FIRST_PROBE_INTERVAL, 0
             return True
@@ -224,6 +251,7 @@ class AutoWidth:
             self.skipped, self.plain = self.skipped + 1, self.plain + 1
             return False
         self.plain_rounds, self.probe_interval = 0, min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
+        self.probing = True
         return True
 
     def observe(self, conf: torch.Tensor, accepted: torch.Tensor) -> None:
@@ -234,7 +262,20 @@ class AutoWidth:
         steps = torch.arange(k, device=accepted.device)
         reached = steps[None] <= accepted[:, None]  # the candidate was tested (earlier ones accepted)
         passed = steps[None] < accepted[:, None]
-        for j in range(k):
-            tested = int(reached[:, j].sum())
-            if tested:
-                self.prior[j] = 0.9 * self.prior[j] + 0.1 * int(passed[:, j].sum()) / tested
+        counts = torch.stack([reached.sum(0), passed.sum(0), (conf.float() * reached).sum(0)]).tolist()  # one sync
+        for j, (tested, accepted_j, confidence) in enumerate(zip(*counts, strict=True)):
+            if tested:  # a running mean at first (after PRIOR_WEIGHT pseudo-tests), then a moving average
+                self.seen[j] += tested
+                weight = max(tested / (self.seen[j] + PRIOR_WEIGHT), PRIOR_RATE)
+                self.prior[j] += weight * (accepted_j / tested - self.prior[j])
+                self.mean_confidence[j] += weight * (confidence / tested - self.mean_confidence[j])
+
+    def acceptance(self, conf: torch.Tensor) -> torch.Tensor:
+        """``[B, k]`` predicted acceptance of candidates with confidences ``conf``: the stored calibration, or for an
+        uncalibrated draft its confidence rescaled per position so that on average it matches what the rounds
+        accepted (``prior / mean confidence``)."""
+        if self.calibration.rates:
+            return self.calibration(conf)
+        ratios = [p / max(c, 1e-3) for p, c in zip(self.prior, self.mean_confidence, strict=True)]
+        scale = torch.tensor(ratios[: conf.shape[1]], dtype=torch.float32, device=conf.device)
+        return (conf.float() * scale).clamp(0, 1)

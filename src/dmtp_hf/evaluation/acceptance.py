@@ -193,6 +193,7 @@ def run_acceptance_eval(
     # Plain decoding runs first on every turn, under the same conditions, so each strategy's speedup is measured
     # against it in the same run (ratios, not absolute tokens/s, are what survives a noisy machine).
     labels = ([BASELINE] if settings.baseline else []) + [s.label for s in strategies]
+    cost_seconds = _measure_auto_costs(target, strategies, settings)
     total = sum(s.num_turns for s in prompt_sets) * len(labels)
     results: dict[str, dict[str, Any]] = {}
     baseline: dict[str, dict[str, Any]] = {}
@@ -226,7 +227,11 @@ def run_acceptance_eval(
             "schema": SCHEMA,
             "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
             "environment": _environment(device),
-            "settings": {**asdict(settings), "verify_mode": settings.resolved_verify_mode},
+            "settings": {
+                **asdict(settings),
+                "verify_mode": settings.resolved_verify_mode,
+                "auto_cost_measure_seconds": cost_seconds,
+            },  # fmt: skip
             "models": _model_info(target, paths),
             "strategies": [s.describe() for s in strategies],
             "datasets": [
@@ -244,6 +249,19 @@ def run_acceptance_eval(
             "outputs_identical": identical,
         }
     )
+
+
+def _measure_auto_costs(target, strategies: list[Strategy], settings: EvalSettings) -> float:
+    """Time the target's forward per width for the ``auto`` strategies before any turn is timed (what a server pays
+    once at start-up; cached per target, device, dtype and batch size). Returns the seconds it took."""
+    from ..assistant.widths import CostModel
+
+    start = time.perf_counter()
+    for strategy in strategies:
+        width = strategy.verify_length if strategy.verify_length is not None else settings.verify_length
+        if width == "auto":
+            CostModel.measure(target, settings.batch_size, strategy.num_candidates + 1)
+    return time.perf_counter() - start
 
 
 def _throughput(entry: dict[str, Any]) -> float:
