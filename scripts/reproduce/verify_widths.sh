@@ -4,6 +4,7 @@
 # rejection verification at temperature 1, and the compiled verify. Bundled target, then SmolLM2 (`make smollm2`).
 #
 #   bash scripts/reproduce/verify_widths.sh [bundled|smollm2|compiled|all]   (default all; about 2.5 hours in all)
+#   CALIBRATE=0 ... skips the calibration (the bundled drafts ship with theirs); T1=0 skips the temperature-1 runs.
 #
 # Calibration prompts are held-out code items 101-200 and chat items 61-121 of the corpus' bench files; the
 # evaluations use the first 20 (eval) or 8 (bench) of each, so the two never overlap.
@@ -22,7 +23,7 @@ CALIBRATION=(--datasets none --prompts "$OUT/calibration_code.jsonl" --prompts "
 
 if [ "$WHAT" = bundled ] || [ "$WHAT" = all ]; then
   # Each fit is stored in its draft's config.json (what auto reads); MTP-k strategies use raw confidence.
-  $DMTP calibrate --strategies dmtp,dflash,dflash2,dmtp-d2 "${CALIBRATION[@]}" --limit 40 --max-new-tokens 128 \
+  [ "${CALIBRATE:-1}" = 0 ] || $DMTP calibrate --strategies dmtp,dflash,dflash2,dmtp-d2 "${CALIBRATION[@]}" --limit 40 --max-new-tokens 128 \
     --write --output-dir "$OUT/bundled/calibration" --no-progress
   FIXED_AND_AUTO=dmtp,dmtp:auto,dflash,dflash:auto,dmtp-d2,dmtp-d2:auto,dflash2,dflash2:auto,mtp1,mtp1:auto,mtp4,mtp4:auto
   $DMTP eval --strategies "$FIXED_AND_AUTO" "${HELD_OUT[@]}" --limit 20 --max-new-tokens 128 \
@@ -30,6 +31,7 @@ if [ "$WHAT" = bundled ] || [ "$WHAT" = all ]; then
   $DMTP bench --strategies dmtp,dmtp:auto,dflash,dflash:auto,mtp1,mtp1:auto "${HELD_OUT[@]}" --limit 8 \
     --max-new-tokens 128 --batch-sizes 1,2,4 --output-dir "$OUT/bundled/bench" --no-progress
   for mode in rejection block; do
+    [ "${T1:-1}" = 0 ] && break
     $DMTP eval --strategies dmtp,dflash,dmtp-d2,dflash2,mtp4 "${HELD_OUT[@]}" --limit 20 --max-new-tokens 128 \
       --temperature 1 --verify-mode "$mode" --seed 0 --no-baseline --output-dir "$OUT/bundled/t1_$mode" --no-progress
   done
@@ -37,7 +39,7 @@ fi
 
 if [ "$WHAT" = smollm2 ] || [ "$WHAT" = all ]; then
   SMOL=(--bundle smollm2)
-  $DMTP calibrate "${SMOL[@]}" --strategies dmtp,dflash "${CALIBRATION[@]}" --limit 10 --max-new-tokens 96 \
+  [ "${CALIBRATE:-1}" = 0 ] || $DMTP calibrate "${SMOL[@]}" --strategies dmtp,dflash "${CALIBRATION[@]}" --limit 10 --max-new-tokens 96 \
     --write --output-dir "$OUT/smollm2/calibration" --no-progress
   $DMTP eval "${SMOL[@]}" --strategies dmtp,dmtp:auto,dflash,dflash:auto,mtp1,mtp1:auto \
     --datasets gsm8k,humaneval,mt_bench,alpaca --limit 4 --max-new-tokens 96 --output-dir "$OUT/smollm2/eval" \
