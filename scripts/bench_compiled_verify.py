@@ -100,6 +100,7 @@ def end_to_end(target, draft, tokenizer, prompts: list[str], max_new_tokens: int
     # One way at a time over every prompt: a compiled forward shared by two ways (the same CompileConfig) would
     # otherwise recompile each time they alternate (cache sizes and the MTP-hidden hook are guarded on).
     for name, run in ways.items():
+        torch._dynamo.reset()  # each way compiles its own graphs, as in a process of its own
         for index, ids in enumerate(encoded):
             start = time.perf_counter()
             with torch.no_grad():

@@ -53,9 +53,10 @@ class TargetRunner:
         self.target = target
         self.cache = cache
         # the verify forward, compiled (Transformers' own `get_compiled_call`, cached on the target) when asked; one
-        # graph per verify width (1..K+1), so Dynamo's recompile limit (8) must cover K + 1 of them
+        # graph per verify width (1..K+1), so Dynamo's recompile limit (8) must cover K + 1 of them, plus what plain
+        # compiled decoding may already hold on the same compiled call (past it, a width would silently run eager)
         self.verify_call = target.get_compiled_call(compile_config) if compile_config is not None else target
-        self.recompile_limit = max(torch._dynamo.config.recompile_limit, drafter.num_candidates + 2)
+        self.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * (drafter.num_candidates + 2))
         self.hidden_indices = [i + 1 for i in drafter.target_layer_ids()] if drafter.needs_features else []
         self.mtp_extractor = TargetHiddenExtractor(target, drafter.hidden_input) if drafter.needs_mtp_hidden else None
         self.linear_attention = any(is_gated_delta_net(module) for module in target.modules())
