@@ -147,6 +147,10 @@ def test_auto_width_follows_confidence_and_cost():
     assert fresh.prior == [widths_module.PRIOR_ACCEPTANCE] * 3
     fresh.observe(torch.full((4, 3), 0.5), torch.tensor([0, 0, 0, 0]))
     assert fresh.prior[0] < 0.35 and fresh.prior[1] == widths_module.PRIOR_ACCEPTANCE
+    # drafted but cut to width 0 (nothing verified): the predictions teach the priors that drafting does not pay
+    cut = AutoWidth(steep, Calibration(), 3)
+    cut.observe(torch.empty(4, 0), torch.zeros(4, dtype=torch.long), predicted=torch.full((4, 3), 0.05))
+    assert all(p < 0.35 for p in cut.prior) and cut.best(torch.empty(1, 0), [[]] * 4) == 0
 
 
 def test_auto_drafts_only_when_it_pays_and_probes_at_doubling_intervals():

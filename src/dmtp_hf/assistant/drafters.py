@@ -243,6 +243,7 @@ class _StatefulDrafter(Drafter):
         self.cuda_graphs = cuda_graphs
         self.width_policy = None  # per call: `widths.AutoWidth`, an int, or None (every round K candidates)
         self._confidence: torch.Tensor | None = None  # [B, k] of the last proposal (auto width learns from it)
+        self._predicted: torch.Tensor | None = None  # [B, d] its predicted acceptance, all d drafted candidates
         self.capacity: int | None = None  # slots per row with fixed shapes, set by `reserve`
         self.mtp: MTPState | None = None
         self.context: DFlashContext | None = None
@@ -290,10 +291,11 @@ class _StatefulDrafter(Drafter):
         if isinstance(policy, int):
             return Proposal(proposal.tokens[:, :policy], proposal.scores[:, :policy])
         conf = confidences(proposal.tokens, proposal.scores)
-        k = policy.best(policy.acceptance(conf), stages or [[]] * (self.num_candidates + 1))
+        predicted = policy.acceptance(conf)
+        k = policy.best(predicted, stages or [[]] * (self.num_candidates + 1))
         k = min(k, proposal.tokens.shape[1])
         policy.probing = False
-        self._confidence = conf[:, :k]
+        self._confidence, self._predicted = conf[:, :k], predicted
         policy.widths.append(k)
         return Proposal(proposal.tokens[:, :k], proposal.scores[:, :k])
 
@@ -309,8 +311,8 @@ class _StatefulDrafter(Drafter):
         """Auto width: the round's acceptance (committed counts - 1) updates the policy's priors."""
         if self._confidence is not None and step.num_valid is not None:
             accepted = torch.tensor([max(c - 1, 0) for c in step.num_valid], device=self._confidence.device)
-            self.width_policy.observe(self._confidence, accepted)
-        self._confidence = None
+            self.width_policy.observe(self._confidence, accepted, self._predicted)
+        self._confidence = self._predicted = None
 
     def graph_calls(self) -> list:
         """Every captured stage of the state."""
@@ -319,7 +321,7 @@ class _StatefulDrafter(Drafter):
     def select_rows(self, rows: torch.Tensor, rows_host: list[int]) -> bool:
         """Drop finished rows from every piece of state."""
         if self._confidence is not None:  # the last proposal's, still to be learned from
-            self._confidence = self._confidence[rows]
+            self._confidence, self._predicted = self._confidence[rows], self._predicted[rows]
         for state in (self.mtp, self.context):
             if state is not None:
                 state.select_rows(rows, rows_host)

@@ -254,9 +254,15 @@ class AutoWidth:
         self.probing = True
         return True
 
-    def observe(self, conf: torch.Tensor, accepted: torch.Tensor) -> None:
-        """Update the priors with a round's acceptance (``conf`` ``[B, k]``, ``accepted`` ``[B]`` counts)."""
+    def observe(self, conf: torch.Tensor, accepted: torch.Tensor, predicted: torch.Tensor | None = None) -> None:
+        """Update the priors with a round's acceptance (``conf`` ``[B, k]`` of the k verified candidates,
+        ``accepted`` ``[B]`` counts). ``predicted`` ``[B, d]``: the acceptance predicted for all d >= k drafted
+        candidates; those drafted but not verified count at their prediction, so a draft whose candidates are
+        always cut away (width 0 after drafting) still teaches the priors that drafting does not pay."""
         k = conf.shape[1]
+        if predicted is not None and predicted.shape[1] > k:
+            for j, value in enumerate(predicted[:, k:].float().mean(0).tolist(), start=k):
+                self._update(j, conf.shape[0], value * conf.shape[0], None)
         if not k:
             return
         steps = torch.arange(k, device=accepted.device)
@@ -264,11 +270,16 @@ class AutoWidth:
         passed = steps[None] < accepted[:, None]
         counts = torch.stack([reached.sum(0), passed.sum(0), (conf.float() * reached).sum(0)]).tolist()  # one sync
         for j, (tested, accepted_j, confidence) in enumerate(zip(*counts, strict=True)):
-            if tested:  # a running mean at first (after PRIOR_WEIGHT pseudo-tests), then a moving average
-                self.seen[j] += tested
-                weight = max(tested / (self.seen[j] + PRIOR_WEIGHT), PRIOR_RATE)
-                self.prior[j] += weight * (accepted_j / tested - self.prior[j])
-                self.mean_confidence[j] += weight * (confidence / tested - self.mean_confidence[j])
+            if tested:
+                self._update(j, tested, accepted_j, confidence)
+
+    def _update(self, j: int, tested: float, accepted: float, confidence: float | None) -> None:
+        """A running mean at first (after PRIOR_WEIGHT pseudo-tests), then a moving average."""
+        self.seen[j] += tested
+        weight = max(tested / (self.seen[j] + PRIOR_WEIGHT), PRIOR_RATE)
+        self.prior[j] += weight * (accepted / tested - self.prior[j])
+        if confidence is not None:
+            self.mean_confidence[j] += weight * (confidence / tested - self.mean_confidence[j])
 
     def acceptance(self, conf: torch.Tensor) -> torch.Tensor:
         """``[B, k]`` predicted acceptance of candidates with confidences ``conf``: the stored calibration, or for an

@@ -33,7 +33,7 @@ class CalibrationRecorder(AutoWidth):
         """Every candidate, always (the recording needs the whole block)."""
         return self.max_candidates
 
-    def observe(self, conf: torch.Tensor, accepted: torch.Tensor) -> None:
+    def observe(self, conf: torch.Tensor, accepted: torch.Tensor, predicted: torch.Tensor | None = None) -> None:
         """Record the round: ``conf`` ``[B, k]``, ``accepted`` ``[B]`` accepted counts."""
         steps = torch.arange(conf.shape[1], device=conf.device).expand_as(conf)
         tested = steps <= accepted[:, None]
