@@ -237,6 +237,8 @@ def test_target_costs_are_measured_once_per_target_and_batch(targets, monkeypatc
     assert timed == [1, 2]
     assert sorted(CostModel.measure(target, 1, 6, repeats=1, context=8).verify) == [1, 2, 3, 4, 5, 6]  # wider
     assert sorted(first.verify) == [1, 2, 3, 4] and all(seconds > 0 for seconds in first.verify.values())
+    costs = [first.verify[w] for w in sorted(first.verify)]
+    assert costs == sorted(costs)  # noise never makes a wider forward look cheaper
 
 
 @pytest.mark.parametrize("bad", [-1, 2.5, "fast", True])
