@@ -242,8 +242,8 @@ class _StatefulDrafter(Drafter):
         self.fixed_shapes = fixed_shapes
         self.cuda_graphs = cuda_graphs
         self.width_policy = None  # per call: `widths.AutoWidth`, an int, or None (every round K candidates)
-        self._confidence: torch.Tensor | None = None  # [B, k] of the last proposal (auto width learns from it)
-        self._predicted: torch.Tensor | None = None  # [B, d] its predicted acceptance, all d drafted candidates
+        # auto width learns from the last proposal: [B, k] confidences of the verified candidates, [B, d] predicted
+        self._confidence = self._predicted = None  # acceptance of all d drafted candidates
         self.capacity: int | None = None  # slots per row with fixed shapes, set by `reserve`
         self.mtp: MTPState | None = None
         self.context: DFlashContext | None = None
@@ -278,10 +278,9 @@ class _StatefulDrafter(Drafter):
     def _plain_round(self, anchor_ids: torch.Tensor, stages: list[list[str]]) -> Proposal | None:
         """An empty proposal (the round is a plain decoding step and runs no drafter stage) at width 0, or in auto
         mode when drafting does not pay from the priors (``stages[k]``: what a width-k round runs); else ``None``."""
-        policy = self.width_policy
-        if policy == 0 or (isinstance(policy, AutoWidth) and not policy.drafts(anchor_ids.shape[0], stages)):
-            return Proposal(anchor_ids.new_empty(anchor_ids.shape[0], 0), None)
-        return None
+        policy, batch = self.width_policy, anchor_ids.shape[0]
+        plain = policy == 0 or (isinstance(policy, AutoWidth) and not policy.drafts(batch, stages))
+        return Proposal(anchor_ids.new_empty(batch, 0), None) if plain else None
 
     def _width(self, proposal: Proposal, stages: list[list[str]] | None = None) -> Proposal:
         """The proposal cut to the round's width: the policy's choice from its candidates' confidences."""
