@@ -160,16 +160,19 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _warm_up(baselines: list[Baseline], prompt: torch.Tensor, pad_id: int, device, progress: bool) -> None:
-    """One warm-up per method (kernels, MTP/assistant loading, caches); a method that fails here is skipped."""
-    warm_ids, warm_mask = _pad_left([prompt], pad_id)
+def _warm_up(baselines: list[Baseline], prompt: torch.Tensor, pad_id: int, device, progress: bool,
+             batch_sizes: tuple[int, ...] = (1,)) -> None:  # fmt: skip
+    """One warm-up per method and batch size (kernels, MTP/assistant loading, caches, and what ``auto`` widths time
+    once per batch size); a method that fails here is skipped."""
     for baseline in tqdm(baselines, desc="dmtp bench warm-up", disable=not progress, dynamic_ncols=True):
-        if baseline.skipped is not None:
-            continue
-        try:
-            baseline.run(warm_ids.to(device), warm_mask.to(device))
-        except (ValueError, NotImplementedError, TypeError, AttributeError) as err:
-            baseline.skipped = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:160]
+        for bs in batch_sizes:
+            if baseline.skipped is not None or not baseline.supports(bs):
+                continue
+            warm_ids, warm_mask = _pad_left([prompt] * bs, pad_id)
+            try:
+                baseline.run(warm_ids.to(device), warm_mask.to(device))
+            except (ValueError, NotImplementedError, TypeError, AttributeError) as err:
+                baseline.skipped = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:160]
 
 
 def _time_batch_size(bs: int, active: list[Baseline], prompts, pad_id: int, eos, repeats: int, device, bar):
@@ -246,7 +249,7 @@ def run_benchmark(
     if repeats < 1:
         raise ValueError(f"--repeats must be >= 1 (got {repeats})")
 
-    _warm_up(baselines, prompts[0], pad_id, device, progress)
+    _warm_up(baselines, prompts[0], pad_id, device, progress, tuple(batch_sizes))
 
     reference: dict[int, list[int]] = {}
     total_calls = sum(
