@@ -31,7 +31,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from ..modeling.native_mtp.hidden import TargetHiddenExtractor
 from .batch import Accepted, ActiveBatch, RoundHost, StepOutputs
 from .drafters import Drafter, TokenSelector
-from .linear_attention import is_gated_delta_net, verify_kernel_kwargs
+from .linear_attention import has_gated_delta_net, verify_kernel_kwargs
 from .processing import RowProcessors
 from .stats import RequestStats, SpecStats
 from .stopping import RowStopping
@@ -59,7 +59,7 @@ class TargetRunner:
         self.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * (drafter.num_candidates + 2))
         self.hidden_indices = [i + 1 for i in drafter.target_layer_ids()] if drafter.needs_features else []
         self.mtp_extractor = TargetHiddenExtractor(target, drafter.hidden_input) if drafter.needs_mtp_hidden else None
-        self.linear_attention = any(is_gated_delta_net(module) for module in target.modules())
+        self.linear_attention = has_gated_delta_net(target)
 
     def forward(self, input_ids, positions, attention_mask=None, logits_to_keep: int = 0, capture: bool = True,
                 call=None):  # fmt: skip

@@ -293,7 +293,6 @@ class _StatefulDrafter(Drafter):
         predicted = policy.acceptance(conf)
         k = policy.best(predicted, stages or [[]] * (self.num_candidates + 1))
         k = min(k, proposal.tokens.shape[1])
-        policy.probing = False
         self._confidence, self._predicted = conf[:, :k], predicted
         policy.widths.append(k)
         return Proposal(proposal.tokens[:, :k], proposal.scores[:, :k])

@@ -41,6 +41,11 @@ def is_gated_delta_net(module: torch.nn.Module) -> bool:
     return type(module).__name__.endswith("GatedDeltaNet")
 
 
+def has_gated_delta_net(model: torch.nn.Module) -> bool:
+    """Whether any layer of ``model`` is a GatedDeltaNet."""
+    return any(is_gated_delta_net(module) for module in model.modules())
+
+
 def verify_kernel_kwargs(has_linear_attention: bool, width: int) -> dict:
     """What a ``width``-token target forward passes to GatedDeltaNet layers: their chunked kernel pads every call to
     64-token chunks, so shorter multi-token calls ask for chunks of their own length (the kernel's ``chunk_size``,

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicCache
 
-from .linear_attention import is_gated_delta_net, verify_kernel_kwargs
+from .linear_attention import has_gated_delta_net, verify_kernel_kwargs
 
 __all__ = ["AutoWidth", "Calibration", "CostModel", "check_verify_length", "confidences", "width_policy"]
 
@@ -152,7 +152,7 @@ def _time_widths(target, batch_size: int, max_width: int, repeats: int, context:
     vocab = target.get_input_embeddings().weight.shape[0]
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, vocab, (batch_size, context), generator=generator).to(device)
-    has_linear_attention = any(is_gated_delta_net(module) for module in target.modules())
+    has_linear_attention = has_gated_delta_net(target)
     timings = {}
     for width in range(1, max_width + 1):
         ids = prompt[:, :width]
@@ -185,7 +185,7 @@ def width_policy(verify_length: int | str | None, target, drafter, batch_size: i
     num_candidates = drafter.num_candidates
     if isinstance(verify_length, AutoWidth):  # a policy built by the caller (its own costs or calibration)
         verify_length.widths, verify_length.skipped, verify_length.plain = [], 0, 0
-        verify_length.probe_interval, verify_length.plain_rounds = FIRST_PROBE_INTERVAL, 0
+        verify_length.probe_interval, verify_length.since_probe = FIRST_PROBE_INTERVAL, 0
         return verify_length
     if verify_length == "auto":
         draft = getattr(drafter, "draft", None)
@@ -222,7 +222,7 @@ class AutoWidth:
         self.widths: list[int] = []  # the chosen width of every round
         self.skipped = 0  # rounds that ran no draft forward beyond T1 (or none at all)
         self.plain = 0  # of which rounds that ran no drafter stage at all (`drafts`)
-        self.probe_interval, self.plain_rounds = FIRST_PROBE_INTERVAL, 0  # see `drafts`
+        self.probe_interval, self.since_probe = FIRST_PROBE_INTERVAL, 0  # plain rounds between probes (`drafts`)
 
     def best(self, known: torch.Tensor, draft_stages: list[list[str]]) -> int:
         """The width (0..K) with the most expected tokens per second for the batch, given the acceptance
@@ -246,14 +246,14 @@ class AutoWidth:
         while the probes keep losing."""
         self.probing = False  # a new round
         if self.best(torch.empty(batch_size, 0), draft_stages) > 0:
-            self.probe_interval, self.plain_rounds = FIRST_PROBE_INTERVAL, 0
+            self.probe_interval, self.since_probe = FIRST_PROBE_INTERVAL, 0
             return True
-        self.plain_rounds += 1
-        if self.plain_rounds < self.probe_interval:
+        self.since_probe += 1
+        if self.since_probe < self.probe_interval:
             self.widths.append(0)
             self.skipped, self.plain = self.skipped + 1, self.plain + 1
             return False
-        self.plain_rounds, self.probe_interval = 0, min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
+        self.since_probe, self.probe_interval = 0, min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
         self.probing = True
         return True
 
@@ -262,19 +262,19 @@ class AutoWidth:
         ``accepted`` ``[B]`` counts). ``predicted`` ``[B, d]``: the acceptance predicted for all d >= k drafted
         candidates; those drafted but not verified count at their prediction, so a draft whose candidates are
         always cut away (width 0 after drafting) still teaches the priors that drafting does not pay."""
-        k = conf.shape[1]
-        if predicted is not None and predicted.shape[1] > k:
-            for j, value in enumerate(predicted[:, k:].float().mean(0).tolist(), start=k):
-                self._update(j, conf.shape[0], value * conf.shape[0], None)
-        if not k:
-            return
+        batch, k = conf.shape
         steps = torch.arange(k, device=accepted.device)
         reached = steps[None] <= accepted[:, None]  # the candidate was tested (earlier ones accepted)
         passed = steps[None] < accepted[:, None]
-        counts = torch.stack([reached.sum(0), passed.sum(0), (conf.float() * reached).sum(0)]).tolist()  # one sync
-        for j, (tested, accepted_j, confidence) in enumerate(zip(*counts, strict=True)):
-            if tested:
-                self._update(j, tested, accepted_j, confidence)
+        cut = predicted[:, k:].float().mean(0) if predicted is not None else conf.new_zeros(0)
+        tested = [reached.sum(0).float(), passed.sum(0).float(), (conf.float() * reached).sum(0)]
+        values = torch.cat([*tested, cut]).tolist()  # one host sync
+        counts, cut_means = [values[i * k : (i + 1) * k] for i in range(3)], values[3 * k :]
+        for j, (tested_j, accepted_j, confidence) in enumerate(zip(*counts, strict=True)):
+            if tested_j:
+                self._update(j, tested_j, accepted_j, confidence)
+        for j, value in enumerate(cut_means, start=k):
+            self._update(j, batch, value * batch, None)
 
     def _update(self, j: int, tested: float, accepted: float, confidence: float | None) -> None:
         """A running mean at first (after PRIOR_WEIGHT pseudo-tests), then a moving average."""

@@ -121,7 +121,7 @@ def _run_prompt_set(pset: PromptSet, labels: list[str], strategies: list[Strateg
     metadata, wall seconds and a digest of the generated tokens, per label."""
     device = next(target.parameters()).device
     drafters = {s.label: s.drafter for s in strategies}
-    widths = {s.label: s.verify_length if s.verify_length is not None else settings.verify_length for s in strategies}
+    widths = {s.label: _verify_length(s, settings) for s in strategies}
     stats = {s.label: SpecStats(s.num_candidates, s.label) for s in strategies}
     meta: dict[str, list[dict[str, Any]]] = {label: [] for label in labels}
     seconds = dict.fromkeys(labels, 0.0)
@@ -251,6 +251,11 @@ def run_acceptance_eval(
     )
 
 
+def _verify_length(strategy: Strategy, settings: EvalSettings) -> int | str | None:
+    """The label's own width (``dmtp:auto``), else the run's ``--verify-length``."""
+    return strategy.verify_length if strategy.verify_length is not None else settings.verify_length
+
+
 def _measure_auto_costs(target, strategies: list[Strategy], settings: EvalSettings) -> float:
     """Time the target's forward per width for the ``auto`` strategies before any turn is timed (what a server pays
     once at start-up; cached per target, device, dtype and batch size). Returns the seconds it took."""
@@ -258,8 +263,7 @@ def _measure_auto_costs(target, strategies: list[Strategy], settings: EvalSettin
 
     start = time.perf_counter()
     for strategy in strategies:
-        width = strategy.verify_length if strategy.verify_length is not None else settings.verify_length
-        if width == "auto":
+        if _verify_length(strategy, settings) == "auto":
             CostModel.measure(target, settings.batch_size, strategy.num_candidates + 1)
     return time.perf_counter() - start
 
