@@ -135,3 +135,60 @@ def test_training_from_scratch_builds_the_vocabulary_from_the_answers(tmp_path, 
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in trainer.history if "loss" in h)
     final = DMTPDraftModel.from_pretrained(tmp_path / "run" / "final")
     assert torch.equal(final.t2d, trainer.draft.t2d.cpu())
+
+
+def test_a_retrofitted_head_over_a_draft_vocabulary_round_trips_and_stays_lossless(tmp_path, targets):
+    """An MTP head may predict over a subset too (``mtp_draft_vocab_size``): its logits are the LM head's rows of the
+    subset (``-inf`` elsewhere), its head checkpoint keeps the mapping, a target export refuses it, and DMTP with it
+    is still plain ``generate``."""
+    from dmtp_hf.modeling.native_mtp import export_mtp_into_target, load_native_mtp, new_mtp_head, save_mtp_head
+
+    target = targets["qwen3_5"]
+    vocab = target.config.vocab_size
+    head = new_mtp_head(target)
+    g = torch.randn(2, 3, target.config.hidden_size)
+    full = head.logits(g)
+    subset = torch.randperm(vocab, generator=torch.Generator().manual_seed(1))[: vocab // 3]
+    head.use_draft_vocabulary(subset.numel())
+    set_draft_vocabulary(head, subset)
+    ids = draft_token_ids(head)
+    torch.testing.assert_close(head.logits(g, subset=True), full[..., ids])
+    scattered = head.logits(g)
+    torch.testing.assert_close(scattered[..., ids], full[..., ids])
+    assert torch.isneginf(scattered[..., ~head.t2d]).all()
+
+    save_mtp_head(head, tmp_path / "head", target)
+    loaded = load_native_mtp(target, checkpoint=tmp_path / "head")
+    assert torch.equal(loaded.d2t, head.d2t) and torch.equal(loaded.t2d, head.t2d)
+    torch.testing.assert_close(loaded.logits(g), scattered)
+    with pytest.raises(ValueError, match="draft vocabulary"):
+        export_mtp_into_target(loaded, target.config._name_or_path, tmp_path / "exported")
+
+    prompt = torch.tensor([[5, 17, 42, 9]])
+    plain = target.generate(prompt, do_sample=False, max_new_tokens=16)
+    draft = draft_for(target).bind(target, native_mtp=loaded)
+    drafter = Recorder(DMTPDrafter(draft, loaded))
+    out, _ = speculative_decode(target, prompt, drafter, max_length=plain.shape[1])
+    assert torch.equal(out, plain)
+    assert all(torch.isin(p[:, :1], ids).all() for p in drafter.proposals)  # T1: the head's subset only
+
+
+def test_head_training_builds_its_vocabulary_and_saves_it(tmp_path, target_dir):  # noqa: F811
+    from test_training import make_config
+
+    from dmtp_hf.modeling.native_mtp import load_native_mtp
+    from dmtp_hf.training import Trainer, synthetic_greedy_dataset
+    from dmtp_hf.training.features import load_target
+
+    target = load_target(target_dir)
+    data = synthetic_greedy_dataset(target, 16, 16, seed=3)
+    config = make_config(tmp_path, target_model=str(target_dir), train_mtp_head="only", max_steps=2, save_every=2,
+                         mtp_draft_vocab_size=20, output_dir=str(tmp_path / "head"))  # fmt: skip
+    trainer = Trainer(config, target=target, train_dataset=data)
+    assert int(trainer.mtp_head.t2d.sum()) == 20 and 0 < trainer.head_vocab_stats["coverage"] <= 1
+    trainer.train()
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in trainer.history if "loss" in h)
+    saved = load_native_mtp(target, checkpoint=tmp_path / "head" / "final_mtp_head")
+    assert torch.equal(saved.t2d, trainer.mtp_head.t2d.cpu())
+    with pytest.raises(ValueError, match="mtp_draft_vocab_size"):
+        make_config(tmp_path, target_model=str(target_dir), mtp_draft_vocab_size=20)  # a frozen head

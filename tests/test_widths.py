@@ -169,6 +169,28 @@ def test_auto_drafts_only_when_it_pays_and_probes_at_doubling_intervals():
     assert all(policy.drafts(2, [[]] * 4) for _ in range(5)) and policy.probe_interval == 2
 
 
+def test_probes_lose_at_most_the_exploration_share_and_their_schedule_outlives_the_call(targets):
+    def probes(cost: CostModel, rounds: int, policy: AutoWidth | None = None) -> list[int]:
+        policy = policy or AutoWidth(cost, Calibration(), 3)
+        policy.prior[:] = [0.05] * policy.max_candidates
+        return [i for i in range(rounds) if policy.drafts(1, [[]] * (policy.max_candidates + 1))]
+
+    # a probe here loses ~2.6 plain steps: past 32 the interval keeps doubling (to ~130 rounds at 2 % exploration)
+    assert probes(CostModel({1: 1.0, 2: 1.9, 3: 2.8, 4: 3.7}), 200) == [1, 5, 13, 29, 61, 125]
+    # a cheap probe (~0.2 steps lost) stops doubling at 32
+    assert probes(CostModel({1: 1.0, 2: 1.05, 3: 1.1, 4: 1.15}), 200) == [1, 5, 13, 29, 61, 93, 125, 157, 189]
+    # the next call for the same draft continues the schedule instead of probing again after two rounds
+    target = targets["qwen3_5"]
+    draft = draft_for(target)
+    drafter = DMTPDrafter(draft, draft.native_mtp)
+    first = width_policy("auto", target, drafter, 1)
+    first.cost = CostModel({w: 1.0 + 0.9 * (w - 1) for w in range(1, 9)})  # the tiny target's is nearly flat
+    assert probes(first.cost, 40, first) == [1, 5, 13, 29]
+    second = width_policy("auto", target, drafter, 1)
+    assert (second.probe_interval, second.since_probe) == (first.probe_interval, first.since_probe) == (32, 10)
+    assert second.prior is first.prior
+
+
 def test_rounds_where_drafting_does_not_pay_run_no_drafter_stage(targets, monkeypatch):
     """A weak draft under ``auto``: most rounds are plain decoding steps that run neither the MTP head's prediction
     nor the DFlash forward (only the state is kept), the output still the plain one."""
@@ -180,6 +202,8 @@ def test_rounds_where_drafting_does_not_pay_run_no_drafter_stage(targets, monkey
     predict = MTPState.predict
     monkeypatch.setattr(MTPState, "predict", lambda self: predictions.append(1) or predict(self))
     handle = draft.register_forward_hook(lambda *args: dflash_calls.append(1))
+    head_calls = []
+    head_handle = draft.native_mtp.register_forward_hook(lambda *args: head_calls.append(1))
     prompt = torch.tensor([[5, 17, 42, 9]])
     reference = greedy_reference(target, prompt)
     policy = AutoWidth(CostModel({w: 1.0 + 0.9 * (w - 1) for w in range(1, 9)}), Calibration(), 7)
@@ -188,11 +212,13 @@ def test_rounds_where_drafting_does_not_pay_run_no_drafter_stage(targets, monkey
         out, stats = speculative_decode(target, prompt, DMTPDrafter(draft, draft.native_mtp),
                                         max_length=reference.shape[1], verify_length=policy)  # fmt: skip
     finally:
-        handle.remove()
+        handle.remove(), head_handle.remove()
     assert torch.equal(out, reference)
     drafted = stats.num_rounds - stats.plain_rounds
     assert stats.num_rounds > 20 and drafted <= 5, (stats.num_rounds, stats.plain_rounds)
     assert len(predictions) <= drafted and len(dflash_calls) <= drafted + 1  # + the context prefill
+    # plain rounds only queue their pairs for the MTP head: one forward per drafting round feeds them all
+    assert len(head_calls) <= drafted + 1, (len(head_calls), drafted)  # + the prompt's pairs
 
 
 def test_calibration_is_monotone_fits_what_it_saw_and_round_trips(tmp_path, targets):

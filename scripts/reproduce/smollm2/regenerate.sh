@@ -23,12 +23,15 @@ declare -A LIMIT=([math]=${MATH_LIMIT:-2000} [code]=${CODE_LIMIT:-2000} [chat]=$
                   [magpie]=${MAGPIE_LIMIT:-1500})
 declare -A TOKENS=([math]=192 [code]=192 [chat]=128 [magpie]=192)  # chat: two short turns per record
 STAGES=${STAGES:-"250 500 1000 1500 2000"}
+# SETS="math code" and SETS="chat magpie" run as two jobs (one core each); the split then waits for a run over all
+SETS=${SETS:-"math code chat magpie"}
 for stage in $STAGES; do
-  for set in math code chat magpie; do
+  for set in $SETS; do
     limit=$(( stage < LIMIT[$set] ? stage : LIMIT[$set] ))
     .venv/bin/dmtp regenerate --target "$TARGET" --input "$PROMPTS/train_$set.jsonl" --output "$OUT/train_$set.jsonl" \
       --batch-size "${BATCH_SIZE:-32}" --max-new-tokens "${TOKENS[$set]}" --limit "$limit"
   done
 done
+[ "$SETS" = "math code chat magpie" ] || exit 0
 .venv/bin/python scripts/reproduce/smollm2/split.py --inputs "$OUT"/train_{math,code,chat,magpie}.jsonl \
   --train "$OUT/train_all.jsonl" --heldout "$OUT/heldout.jsonl" --heldout-size "${HELDOUT:-256}"

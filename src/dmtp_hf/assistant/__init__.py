@@ -4,8 +4,9 @@ statistics, and the entry points (``generate``, ``custom_generate``, the ``targe
 from .candidate_generator import DMTPCandidateGenerator, generate_with_transformers_loop
 from .decoding import speculative_decode
 from .drafter_state import DFlashContext, MTPState, SlotKV
-from .drafters import DFlashDrafter, DMTPDrafter, Drafter, DrafterWrapper, MTPDrafter, Proposal, TokenSelector
+from .drafters import DFlashDrafter, DMTPDrafter, Drafter, DrafterWrapper, MTPDrafter, Proposal
 from .generate import DMTPGenerateOutput, as_drafter, dmtp_custom_generate, generate
+from .processing import TokenSelector
 from .router import install_generate_router, route_bound_targets
 from .stats import SpecStats
 from .target_step import TargetStep

@@ -15,8 +15,9 @@ import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..modeling.native_mtp.hidden import TargetHiddenExtractor
-from .drafters import Drafter, TokenSelector
+from .drafters import Drafter
 from .generate import ROUTER_ORIGINAL
+from .processing import TokenSelector
 from .stats import SpecStats
 from .target_step import TargetStep
 

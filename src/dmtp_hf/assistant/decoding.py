@@ -30,9 +30,9 @@ from transformers.cache_utils import Cache, DynamicCache
 
 from ..modeling.native_mtp.hidden import TargetHiddenExtractor
 from .batch import Accepted, ActiveBatch, RoundHost, StepOutputs
-from .drafters import Drafter, TokenSelector
+from .drafters import Drafter
 from .linear_attention import has_gated_delta_net, verify_kernel_kwargs
-from .processing import RowProcessors
+from .processing import RowProcessors, TokenSelector
 from .stats import RequestStats, SpecStats
 from .stopping import RowStopping
 from .target_cache import TargetCacheState, new_static_cache, static_capacity

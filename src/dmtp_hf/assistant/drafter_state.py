@@ -20,6 +20,7 @@ Without it, advances take only the committed width and masks are dropped where e
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -170,6 +171,10 @@ class MTPState:
         self.fixed_shapes = fixed_shapes
         self.last_hidden: torch.Tensor | None = None  # [B, H] g of the last committed pair
         self.next_position: torch.Tensor | None = None  # [B] position of the next pair
+        # committed pairs not yet fed to the head (without fixed shapes): `advance` queues, the next `flush` (before
+        # any use of `g`) feeds them in one forward, so rounds that never draft (auto width's plain rounds) cost
+        # one batched forward at the next drafting round instead of one forward each
+        self.pending: list[TargetStep] = []
         implementation = getattr(head.config, "_attn_implementation", None) or "sdpa"
         # Transformers' flex-attention layers take a dense additive mask as a score mask.
         self.implementation = "eager" if implementation == "flex_attention" else implementation
@@ -178,11 +183,12 @@ class MTPState:
     @property
     def num_committed(self) -> int:
         """The most pairs any row holds."""
+        self.flush()
         return max(self.kv.lengths_host, default=0)
 
     def reset(self) -> None:
         """Forget the sequences (the next :meth:`start` or :meth:`consume` begins new ones)."""
-        self.kv.lengths_host = []
+        self.kv.lengths_host, self.pending = [], []
 
     def _begin_batch(self, batch_size: int, device: torch.device) -> None:
         """Empty slots, ``g`` and positions zero (buffers kept when the batch is the previous call's)."""
@@ -198,22 +204,31 @@ class MTPState:
     def start(self, step: TargetStep) -> None:
         """Start the sequences of a batch with all prompt pairs (any length, eagerly)."""
         self._begin_batch(step.positions.shape[0], step.positions.device)
+        self.pending = []
         self.kv.begin(step.num_valid, step.width)
         self._consume(step.next_tokens, step.mtp_hidden, step.positions, step.valid(), ragged=step.mask is not None)
 
     def advance(self, step: TargetStep) -> None:
-        """Commit the pairs a verify kept (with fixed shapes: all ``K + 1`` slots, the rejected ones invalid)."""
+        """Commit the pairs a verify kept (with fixed shapes: all ``K + 1`` slots, the rejected ones invalid, fed at
+        once; otherwise queued for the next :meth:`flush`)."""
         if self.fixed_shapes:
             span = self.kv.begin(step.num_valid, step.width)
             self._advance(step.next_tokens, step.mtp_hidden, step.positions, step.valid(), key=span)
             return
-        step = step.committed()
+        self.pending.append(replace(step.committed(), features=None))
+
+    def flush(self) -> None:
+        """Feed the queued pairs to the head in one forward (nothing when none are queued)."""
+        if not self.pending:
+            return
+        step, self.pending = TargetStep.concat(self.pending), []
         self.kv.begin(step.num_valid, step.width)
         self._consume(step.next_tokens, step.mtp_hidden, step.positions, step.valid(), ragged=step.mask is not None)
 
     def consume(self, next_tokens, target_hidden, positions=None, mask=None) -> torch.Tensor:
         """Feed ``n`` pairs eagerly and commit them; returns ``g`` ``[B, n, H]``. ``positions`` ``[B, n]`` (an int:
         the first position; ``None``: continue each row), ``mask`` ``[B, n]`` (1 = real pair; ``None``: all)."""
+        self.flush()
         batch, width = next_tokens.shape
         if not self.kv.lengths_host or len(self.kv.lengths_host) != batch:
             self._begin_batch(batch, next_tokens.device)
@@ -251,6 +266,7 @@ class MTPState:
 
     def predict(self) -> tuple[torch.Tensor, torch.Tensor]:
         """T1 logits ``[B, V]`` from the remembered ``g``, and ``g`` ``[B, H]`` itself (never one that consumed T1)."""
+        self.flush()
         return self.head.logits(self.last_hidden), self.last_hidden
 
     @torch.no_grad()
@@ -263,6 +279,7 @@ class MTPState:
         may stop the chain early (adaptive MTP-k)."""
         if num_tokens < 1:
             raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
+        self.flush()
         select = select or (lambda logits: logits.argmax(dim=-1))
         hidden, position = self.last_hidden, self.next_position - 1  # [B, H], [B] the last committed pair
         logits = [self.head.logits(hidden)]
@@ -287,6 +304,7 @@ class MTPState:
     def select_rows(self, rows: torch.Tensor, rows_host: list[int]) -> None:
         """Keep only batch ``rows`` (graphs are recaptured for the new batch size)."""
         self.kv.select_rows(rows, rows_host)
+        self.pending = [step.select_rows(rows, rows_host) for step in self.pending]
         self.last_hidden = self.last_hidden.index_select(0, rows)
         self.next_position = self.next_position.index_select(0, rows)
         self._advance.reset()

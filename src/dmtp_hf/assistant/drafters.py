@@ -12,23 +12,17 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from transformers import LogitsProcessorList
 
 from ..modeling.modeling_dmtp import DMTPDraftModel
 from ..modeling.native_mtp.head import NativeMTPHead
-from .batch import ActiveBatch
 from .drafter_state import DFlashContext, MTPState
-from .processing import RowProcessors, process_flat, reads_input_ids
+from .processing import TokenSelector
 from .stats import SpecStats
 from .target_step import TargetStep
-from .verification import select_tokens
 from .widths import AutoWidth, confidences
-
-Pick = Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # (slot, scores [B, V]) -> token, drawn from
 
 
 def _stage(stats: SpecStats | None, name: str):
@@ -41,76 +35,6 @@ class Proposal:
 
     tokens: torch.Tensor  # [B, k], k <= K
     scores: torch.Tensor | None  # [B, k, V]
-
-
-class TokenSelector:
-    """Turns draft logits into candidates with the generation's logits processors, exactly as the target will.
-
-    ``do_sample=False`` takes the argmax (greedy and ``match`` verification); ``True`` samples (``rejection``). In
-    the engine the processors see each row's ``input_ids`` exactly as plain batched ``generate`` would
-    (`processing.RowProcessors`, attached with :meth:`for_batch`); in Transformers' own assisted loop (one unpadded
-    row) the committed ``prefix`` (:meth:`for_prefix`) followed by the round's chosen tokens is that input.
-    Processors that never read ``input_ids`` run once over all positions.
-    """
-
-    def __init__(self, logits_processor: LogitsProcessorList | None, do_sample: bool) -> None:
-        self.logits_processor = logits_processor
-        self.do_sample = do_sample
-        self.positionwise = bool(logits_processor) and reads_input_ids(logits_processor)
-        self.rows: RowProcessors | None = None
-        self.batch: ActiveBatch | None = None
-        self.prefix: torch.Tensor | None = None
-
-    def for_batch(self, rows: RowProcessors, batch: ActiveBatch) -> TokenSelector:
-        """Process with exact per-row inputs for the rows of ``batch`` (the decoding loop's)."""
-        self.rows, self.batch = rows, batch
-        return self
-
-    def for_prefix(self, prefix: torch.Tensor) -> TokenSelector:
-        """Process after ``prefix`` ``[1, L]``, the committed tokens of Transformers' assisted loop."""
-        self.prefix = prefix
-        return self
-
-    def committed_ids(self) -> list[torch.Tensor]:
-        """Each row's committed tokens, ``[1, L_b]`` (prompt without padding, then generated): for drafters and
-        tests that look at the whole sequence (it synchronises; the engine's drafters never call it)."""
-        if self.batch is None:
-            return [self.prefix[b : b + 1] for b in range(self.prefix.shape[0])]
-        prompt, lengths = self.rows.inputs.prompt, self.batch.prompt_lengths.tolist()
-        return [
-            torch.cat([prompt[row, prompt.shape[1] - length :], self.batch.tokens[row, :generated]])[None]
-            for row, length, generated in zip(self.batch.host.rows, lengths, self.batch.host.generated, strict=True)
-        ]
-
-    def __call__(
-        self, logits: torch.Tensor, chosen: torch.Tensor | None = None, pick: Pick | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``logits`` ``[B, k, V]`` of k consecutive positions after the committed tokens and the round's already
-        ``chosen`` ``[B, j]`` -> tokens ``[B, k]`` and the scores ``[B, k, V]`` each was drawn from (softmax of them
-        is the draft ``q``); slot i also sees the i tokens chosen before it in this call. ``pick(i, scores)``
-        replaces the argmax / sample of slot i's processed scores (DFlash2's candidate walk)."""
-        if self.logits_processor and self.positionwise:
-            return self._positionwise(logits, chosen, pick)
-        scores = process_flat(logits, self.logits_processor) if self.logits_processor else logits.float()
-        if pick is None:
-            return select_tokens(scores, self.do_sample), scores
-        picked = [pick(i, scores[:, i]) for i in range(scores.shape[1])]
-        return torch.stack([t for t, _ in picked], dim=1), torch.stack([q for _, q in picked], dim=1)
-
-    def _positionwise(self, logits: torch.Tensor, chosen: torch.Tensor | None, pick: Pick | None):
-        tokens, scores = [], []
-        before = [chosen] if chosen is not None else []
-        for i in range(logits.shape[1]):
-            extra = torch.cat([*before, *[t[:, None] for t in tokens]], dim=1) if before or tokens else None
-            if self.rows is not None:
-                step = self.rows(logits[:, i], self.batch, extra)
-            else:
-                seen = self.prefix if extra is None else torch.cat([self.prefix, extra], dim=1)
-                step = self.logits_processor(seen, logits[:, i].float())
-            token, drawn_from = pick(i, step) if pick is not None else (select_tokens(step, self.do_sample), step)
-            tokens.append(token)
-            scores.append(drawn_from)
-        return torch.stack(tokens, dim=1), torch.stack(scores, dim=1)
 
 
 class CandidateWalk:
@@ -297,6 +221,11 @@ class _StatefulDrafter(Drafter):
         policy.widths.append(k)
         return Proposal(proposal.tokens[:, :k], proposal.scores[:, :k])
 
+    def _flush_mtp(self, stats: SpecStats) -> None:
+        """Feed the MTP head the pairs committed since it last ran (plain rounds only queue them)."""
+        with stats.stage("mtp"), torch.no_grad():
+            self.mtp.flush()
+
     @contextlib.contextmanager
     def _timed(self, stage: str):
         """Auto width: the wall time of a drafter stage, for the cost model (what the policy weighs)."""
@@ -396,6 +325,7 @@ class MTPDrafter(_StatefulDrafter):
         plain = self._plain_round(anchor_ids, [["mtp_step"] * k for k in range(self.num_candidates + 1)])
         if plain is not None:
             return plain
+        self._flush_mtp(stats)
         chosen: list[torch.Tensor] = []
         scores: list[torch.Tensor] = []
 
@@ -425,7 +355,7 @@ class MTPDrafter(_StatefulDrafter):
         return self._width(proposal, [["mtp_step"] * k for k in range(self.num_candidates + 1)])
 
     def advance(self, step: TargetStep, stats: SpecStats | None = None) -> None:
-        """Commit the accepted pairs to the MTP state."""
+        """Queue the accepted pairs for the MTP state (fed at the next drafting round)."""
         self._learn(step)
         with _stage(stats, "mtp"), torch.no_grad():
             self.mtp.advance(step)
@@ -469,6 +399,7 @@ class DMTPDrafter(_StatefulDrafter):
         plain = self._plain_round(anchor_ids, [[], ["t1"]] + [["t1", "dflash"]] * (self.num_candidates - 1))
         if plain is not None:
             return plain
+        self._flush_mtp(stats)  # the pairs of earlier rounds, outside the T1 timing (paid whatever the width)
         with stats.stage("t1_fusion"):
             with self._timed("t1"):
                 t1_logits, mtp_hidden = self.mtp.predict()  # the MTP hidden that predicted T1

@@ -16,13 +16,15 @@ rows never leave their batch as far as such a processor can tell.
 
 Processors that never read ``input_ids`` (temperature, top-k/p, min-p, ...: :func:`reads_input_ids`) need none of
 this: they run once over all ``B x (K + 1)`` positions of a round (:func:`process_flat`).
+
+:class:`TokenSelector` turns a drafter's logits into candidates through the same processors.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
@@ -30,6 +32,7 @@ from transformers.generation import logits_process as lp
 from transformers.generation import stopping_criteria as sc
 
 from .batch import ActiveBatch
+from .verification import select_tokens
 
 # Transformers' processors and criteria that are pure functions of their rows, so a call on some rows gives those
 # rows' results; with the per-row tensors some of them hold, sliced to the rows of the call.
@@ -211,3 +214,76 @@ class RowCriteria:
                     if stopped:
                         first[member] = j
         return first
+
+
+Pick = Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # (slot, scores [B, V]) -> token, drawn from
+
+
+class TokenSelector:
+    """Turns draft logits into candidates with the generation's logits processors, exactly as the target will.
+
+    ``do_sample=False`` takes the argmax (greedy and ``match`` verification); ``True`` samples (``rejection``). In
+    the engine the processors see each row's ``input_ids`` exactly as plain batched ``generate`` would
+    (`processing.RowProcessors`, attached with :meth:`for_batch`); in Transformers' own assisted loop (one unpadded
+    row) the committed ``prefix`` (:meth:`for_prefix`) followed by the round's chosen tokens is that input.
+    Processors that never read ``input_ids`` run once over all positions.
+    """
+
+    def __init__(self, logits_processor: LogitsProcessorList | None, do_sample: bool) -> None:
+        self.logits_processor = logits_processor
+        self.do_sample = do_sample
+        self.positionwise = bool(logits_processor) and reads_input_ids(logits_processor)
+        self.rows: RowProcessors | None = None
+        self.batch: ActiveBatch | None = None
+        self.prefix: torch.Tensor | None = None
+
+    def for_batch(self, rows: RowProcessors, batch: ActiveBatch) -> TokenSelector:
+        """Process with exact per-row inputs for the rows of ``batch`` (the decoding loop's)."""
+        self.rows, self.batch = rows, batch
+        return self
+
+    def for_prefix(self, prefix: torch.Tensor) -> TokenSelector:
+        """Process after ``prefix`` ``[1, L]``, the committed tokens of Transformers' assisted loop."""
+        self.prefix = prefix
+        return self
+
+    def committed_ids(self) -> list[torch.Tensor]:
+        """Each row's committed tokens, ``[1, L_b]`` (prompt without padding, then generated): for drafters and
+        tests that look at the whole sequence (it synchronises; the engine's drafters never call it)."""
+        if self.batch is None:
+            return [self.prefix[b : b + 1] for b in range(self.prefix.shape[0])]
+        prompt, lengths = self.rows.inputs.prompt, self.batch.prompt_lengths.tolist()
+        return [
+            torch.cat([prompt[row, prompt.shape[1] - length :], self.batch.tokens[row, :generated]])[None]
+            for row, length, generated in zip(self.batch.host.rows, lengths, self.batch.host.generated, strict=True)
+        ]
+
+    def __call__(
+        self, logits: torch.Tensor, chosen: torch.Tensor | None = None, pick: Pick | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``logits`` ``[B, k, V]`` of k consecutive positions after the committed tokens and the round's already
+        ``chosen`` ``[B, j]`` -> tokens ``[B, k]`` and the scores ``[B, k, V]`` each was drawn from (softmax of them
+        is the draft ``q``); slot i also sees the i tokens chosen before it in this call. ``pick(i, scores)``
+        replaces the argmax / sample of slot i's processed scores (DFlash2's candidate walk)."""
+        if self.logits_processor and self.positionwise:
+            return self._positionwise(logits, chosen, pick)
+        scores = process_flat(logits, self.logits_processor) if self.logits_processor else logits.float()
+        if pick is None:
+            return select_tokens(scores, self.do_sample), scores
+        picked = [pick(i, scores[:, i]) for i in range(scores.shape[1])]
+        return torch.stack([t for t, _ in picked], dim=1), torch.stack([q for _, q in picked], dim=1)
+
+    def _positionwise(self, logits: torch.Tensor, chosen: torch.Tensor | None, pick: Pick | None):
+        tokens, scores = [], []
+        before = [chosen] if chosen is not None else []
+        for i in range(logits.shape[1]):
+            extra = torch.cat([*before, *[t[:, None] for t in tokens]], dim=1) if before or tokens else None
+            if self.rows is not None:
+                step = self.rows(logits[:, i], self.batch, extra)
+            else:
+                seen = self.prefix if extra is None else torch.cat([self.prefix, extra], dim=1)
+                step = self.logits_processor(seen, logits[:, i].float())
+            token, drawn_from = pick(i, step) if pick is not None else (select_tokens(step, self.do_sample), step)
+            tokens.append(token)
+            scores.append(drawn_from)
+        return torch.stack(tokens, dim=1), torch.stack(scores, dim=1)

@@ -25,6 +25,9 @@ host: one more synchronisation per round in ``auto`` mode.
 
 from __future__ import annotations
 
+import itertools
+import math
+import operator
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -44,8 +47,10 @@ _PRIORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # -> {(name, K
 # Before any evidence a candidate is assumed accepted this often, worth this many observations: optimistic, so a new
 # draft is tried before it is judged. Later evidence moves the estimate with weight >= PRIOR_RATE.
 PRIOR_ACCEPTANCE, PRIOR_WEIGHT, PRIOR_RATE = 0.9, 2.0, 0.1
-# Plain rounds between probes of a draft that does not pay (`AutoWidth.drafts`): the first wait, and the longest.
-FIRST_PROBE_INTERVAL, MAX_PROBE_INTERVAL = 2, 32
+# Plain rounds between probes of a draft that does not pay (`AutoWidth.drafts`): the first wait, and the longest
+# the doubling reaches unless a probe costs so much that EXPLORATION (the share of the time probes may lose against
+# plain decoding) asks for a longer one.
+FIRST_PROBE_INTERVAL, MAX_PROBE_INTERVAL, EXPLORATION = 2, 32, 0.02
 
 
 def confidences(tokens: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -185,7 +190,6 @@ def width_policy(verify_length: int | str | None, target, drafter, batch_size: i
     num_candidates = drafter.num_candidates
     if isinstance(verify_length, AutoWidth):  # a policy built by the caller (its own costs or calibration)
         verify_length.widths, verify_length.skipped, verify_length.plain = [], 0, 0
-        verify_length.probe_interval, verify_length.since_probe = FIRST_PROBE_INTERVAL, 0
         return verify_length
     if verify_length == "auto":
         draft = getattr(drafter, "draft", None)
@@ -194,9 +198,13 @@ def width_policy(verify_length: int | str | None, target, drafter, batch_size: i
         policy = AutoWidth(cost, Calibration.from_dict(stored), num_candidates)
         source = draft if draft is not None else getattr(drafter, "head", drafter)
         key = (getattr(drafter, "name", type(drafter).__name__), num_candidates)
+        # across calls: the estimates (lists, shared) and the probe schedule (`AutoWidth.memory`)
         learned = _PRIORS.setdefault(source, {})
-        kept = learned.setdefault(key, (policy.prior, policy.seen, policy.mean_confidence))  # across calls
-        policy.prior, policy.seen, policy.mean_confidence = kept
+        fresh = {"prior": policy.prior, "seen": policy.seen, "mean_confidence": policy.mean_confidence,
+                 "probe_interval": policy.probe_interval, "since_probe": 0}  # fmt: skip
+        policy.memory = learned.setdefault(key, fresh)
+        for name, value in policy.memory.items():
+            setattr(policy, name, value)
         return policy
     check_verify_length(verify_length)
     return min(verify_length, num_candidates)  # a drafter proposes at most its K
@@ -223,6 +231,7 @@ class AutoWidth:
         self.skipped = 0  # rounds that ran no draft forward beyond T1 (or none at all)
         self.plain = 0  # of which rounds that ran no drafter stage at all (`drafts`)
         self.probe_interval, self.since_probe = FIRST_PROBE_INTERVAL, 0  # plain rounds between probes (`drafts`)
+        self.memory: dict[str, Any] | None = None  # what later calls for the same draft start from (`width_policy`)
 
     def best(self, known: torch.Tensor, draft_stages: list[list[str]]) -> int:
         """The width (0..K) with the most expected tokens per second for the batch, given the acceptance
@@ -242,20 +251,34 @@ class AutoWidth:
         """Before any draft forward: does drafting pay this round, judged on the priors alone? When it does not,
         the round is a plain decoding step that runs no drafter stage at all (what a weak draft costs then is only
         keeping its state). Every ``probe_interval`` such rounds one drafts and verifies the whole block anyway, so
-        the estimate of every position keeps following the text; the interval doubles (up to `MAX_PROBE_INTERVAL`)
-        while the probes keep losing."""
+        the estimate of every position keeps following the text; the interval doubles while the probes keep losing,
+        up to `MAX_PROBE_INTERVAL` or longer where a probe loses so much that probing would cost more than
+        `EXPLORATION` of the time. The schedule carries over to the draft's next call."""
         self.probing = False  # a new round
         if self.best(torch.empty(batch_size, 0), draft_stages) > 0:
-            self.probe_interval, self.since_probe = FIRST_PROBE_INTERVAL, 0
+            self._schedule(FIRST_PROBE_INTERVAL, 0)
             return True
-        self.since_probe += 1
-        if self.since_probe < self.probe_interval:
+        if self.since_probe + 1 < self.probe_interval:
+            self._schedule(self.probe_interval, self.since_probe + 1)
             self.widths.append(0)
             self.skipped, self.plain = self.skipped + 1, self.plain + 1
             return False
-        self.since_probe, self.probe_interval = 0, min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
+        self._schedule(min(2 * self.probe_interval, self._longest_interval(batch_size, draft_stages)), 0)
         self.probing = True
         return True
+
+    def _longest_interval(self, batch_size: int, draft_stages: list[list[str]]) -> int:
+        """Plain rounds between probes at which a probe's expected loss (its round's time, less the plain steps that
+        would commit its expected tokens) is `EXPLORATION` of the time; at least `MAX_PROBE_INTERVAL`."""
+        step = self.cost.round_seconds(0, draft_stages[0])
+        tokens = 1 + sum(itertools.accumulate(self.prior, operator.mul))  # per row, the whole block verified
+        loss = self.cost.round_seconds(self.max_candidates, draft_stages[-1]) - tokens * step
+        return max(MAX_PROBE_INTERVAL, math.ceil(loss / (EXPLORATION * step)))
+
+    def _schedule(self, interval: int, since_probe: int) -> None:
+        self.probe_interval, self.since_probe = interval, since_probe
+        if self.memory is not None:
+            self.memory.update(probe_interval=interval, since_probe=since_probe)
 
     def observe(self, conf: torch.Tensor, accepted: torch.Tensor, predicted: torch.Tensor | None = None) -> None:
         """Update the priors with a round's acceptance (``conf`` ``[B, k]`` of the k verified candidates,

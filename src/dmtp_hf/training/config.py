@@ -42,6 +42,7 @@ class TrainConfig:
     mtp_retrofit: bool = False  # the target ships no MTP head: train a new one (retrofit layout)
     mtp_loss_weight: float = 1.0  # joint: weight of the head loss next to the draft loss
     mtp_kl_weight: float = 0.0  # head loss: CE + this * KL(target || head)
+    mtp_draft_vocab_size: int | None = None  # a trained head predicts over this many frequent tokens (None: all)
     target_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     # --- data
     train_data: str  # chat/pre-tokenized JSONL, an offline feature directory, or synthetic:<N>x<len>
@@ -103,6 +104,11 @@ class TrainConfig:
             raise ValueError("train_mtp_head='joint' trains a DMTP draft with the head: anchor_layout 'single'/'dual'")
         if self.mtp_retrofit and self.train_mtp_head == "frozen" and not self.mtp_init_from:
             raise ValueError("mtp_retrofit builds an untrained head: train it (train_mtp_head only/joint)")
+        if self.mtp_draft_vocab_size is not None and (self.train_mtp_head == "frozen" or self.mtp_draft_vocab_size < 1):
+            raise ValueError(
+                "mtp_draft_vocab_size (>= 1) gives a head being trained (train_mtp_head only/joint) a draft "
+                "vocabulary; a frozen head keeps its checkpoint's"
+            )
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "TrainConfig":

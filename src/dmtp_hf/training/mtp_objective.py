@@ -5,6 +5,8 @@ target, that is the target's own next-next token. Loss per supervised position (
 
     CE(lm_head(g_t), x_{t+2})  +  kl_weight * KL(p_target(. | x_{<=t+1}) || q_head(. | x_{<=t+1}))
 
+(over the head's draft vocabulary when it has one, ``mtp_draft_vocab_size``: the LM head's rows of those tokens only)
+
 where ``p_target`` is the target's distribution at position t+1 (``lm_head(final_norm(h_{t+1}))``), computed from
 the frozen forward the trainer already runs. The LM head is the target's (frozen); the head's norms, projection and
 decoder layer learn.
@@ -25,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..modeling.draft_vocab import IGNORE_INDEX, to_draft_ids
 from ..modeling.native_mtp.head import NativeMTPHead
 from .objective import DMTPTrainingObjective, ObjectiveOutput, metric_vector, metrics_from_vector
 
@@ -54,13 +57,18 @@ class MTPHeadOutput:
 
 
 def _chunk_losses(head: NativeMTPHead, g: torch.Tensor, labels: torch.Tensor, target_hidden, kl_weight: float):
-    """CE, KL and correctness of ``m`` rows (``g [m, H]``); the target's logits come from ``target_hidden [m, H]``."""
-    logits = head.logits(g).float()  # [m, V]
-    ce = F.cross_entropy(logits, labels, reduction="none")
+    """CE, KL and correctness of ``m`` rows (``g [m, H]``); the target's logits come from ``target_hidden [m, H]``.
+    With a draft vocabulary both distributions are over its tokens (the target's renormalised there), and labels
+    outside it add no loss and count as misses."""
+    subset = head.d2t is not None
+    if subset:
+        labels = to_draft_ids(head, labels)
+    logits = head.logits(g, subset=subset).float()  # [m, V] (V: the draft vocabulary's size with one)
+    ce = F.cross_entropy(logits, labels, reduction="none", ignore_index=IGNORE_INDEX)
     kl = torch.zeros_like(ce)
     if kl_weight and target_hidden is not None:
         with torch.no_grad():
-            target_log_probs = head.logits(target_hidden).float().log_softmax(-1)
+            target_log_probs = head.logits(target_hidden, subset=subset).float().log_softmax(-1)
         kl = F.kl_div(logits.log_softmax(-1), target_log_probs, log_target=True, reduction="none").sum(-1)
     return ce, kl, (logits.argmax(-1) == labels).float()
 

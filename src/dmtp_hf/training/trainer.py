@@ -101,6 +101,7 @@ class Trainer(CheckpointMixin):
 
         self.train_dataset, self.eval_dataset = self._datasets(train_dataset, eval_dataset)
         self.draft_vocab_stats = self._fill_draft_vocabulary(draft) if draft is not None else None
+        self.head_vocab_stats = self._head_vocabulary()
         self.schedule = StepSchedule(
             len(self.train_dataset),
             config.micro_batch_size,
@@ -167,14 +168,35 @@ class Trainer(CheckpointMixin):
         model = draft.get_base_model() if hasattr(draft, "get_base_model") else draft
         if getattr(model, "d2t", None) is None or self.config.init_from:
             return None
+        return self._frequency_ranked(model, "draft vocabulary")
+
+    def _head_vocabulary(self) -> dict[str, float] | None:
+        """The trained head's draft vocabulary (``mtp_draft_vocab_size``), built as the draft's; a head continued
+        from a checkpoint with one keeps it."""
+        size, head = self.config.mtp_draft_vocab_size, self.mtp_head
+        if size is None or head is None:
+            return None
+        if head.d2t is not None:
+            if head.d2t.numel() != size:
+                raise ValueError(
+                    f"mtp_draft_vocab_size={size}, but the head from {self.config.mtp_init_from} has a draft "
+                    f"vocabulary of {head.d2t.numel()} tokens"
+                )
+            return None
+        head.use_draft_vocabulary(size)
+        head.to(head.projection.weight.device)
+        return self._frequency_ranked(head, "MTP head vocabulary")
+
+    def _frequency_ranked(self, model: nn.Module, what: str) -> dict[str, float]:
+        """Fill ``model``'s draft vocabulary with the training answers' most frequent target tokens, EOS always in."""
         answers = (item["input_ids"][item["loss_mask"].bool()].tolist() for item in self.train_dataset)
         eos = self.target.generation_config.eos_token_id
         always = [eos] if isinstance(eos, int) else list(eos or [])
         ids, stats = frequency_ranked_vocabulary(answers, model.d2t.numel(), model.t2d.numel(), always)
         set_draft_vocabulary(model, ids)
         if self.accelerator.is_main_process:
-            print(f"draft vocabulary: {len(ids)} of {model.t2d.numel()} tokens, {stats['coverage']:.1%} of the "
-                  f"training answers' tokens")  # fmt: skip
+            print(f"{what}: {len(ids)} of {model.t2d.numel()} tokens, {stats['coverage']:.1%} of the training "
+                  f"answers' tokens")  # fmt: skip
         return stats
 
     def _build_objective(self, draft: nn.Module | None) -> nn.Module:
@@ -424,6 +446,7 @@ class Trainer(CheckpointMixin):
             "fusion": None if config.train_mtp_head == "only" else self.draft.config.fusion,
             "trainable_parameters": sum(p.numel() for p in self.objective.parameters() if p.requires_grad),
             "draft_vocabulary": self.draft_vocab_stats,  # coverage of the training answers (from scratch)
+            "mtp_draft_vocabulary": self.head_vocab_stats,
             "last_eval": self.last_eval,
             "config": config.to_dict(),
         }

@@ -35,6 +35,7 @@ from .loading import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, read_mtp_tensor
 __all__ = ["HEAD_CONFIG_KEY", "MTP_SHARD", "export_mtp_into_target", "head_checkpoint_tensors", "save_mtp_head"]
 
 HEAD_CONFIG_KEY = "dmtp_mtp_head"
+DRAFT_VOCAB_TENSORS = ("d2t", "t2d")
 MTP_SHARD = "model-mtp.safetensors"
 _FUSED_EXPERTS = re.compile(r"^(?P<experts>.*\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
 
@@ -52,6 +53,9 @@ def head_checkpoint_tensors(
     for name, tensor in head.state_dict().items():
         part, _, rest = name.partition(".")
         tensor = tensor.detach().contiguous()
+        if name in DRAFT_VOCAB_TENSORS:  # a draft vocabulary: the same names as a draft's, under the prefix
+            out[name] = tensor
+            continue
         if part in layout.tensor_names:
             out[f"{layout.tensor_names[part]}.{rest}"] = tensor
             continue
@@ -85,6 +89,7 @@ def save_mtp_head(head: NativeMTPHead, directory: str | os.PathLike, target: Any
             "num_hidden_layers": text_config.num_hidden_layers,
             "hidden_size": text_config.hidden_size,
             "vocab_size": text_config.vocab_size,
+            "draft_vocab_size": None if head.d2t is None else head.d2t.numel(),
             "dtype": str(next(iter(tensors.values())).dtype).removeprefix("torch."),
             **extra,
         }
@@ -144,9 +149,14 @@ def _link_or_copy(source: Path, destination: Path) -> None:
 def export_mtp_into_target(head: NativeMTPHead, target_dir: str | os.PathLike, output_dir: str | os.PathLike) -> Path:
     """Write ``output_dir``: the checkpoint in ``target_dir`` with its MTP tensors replaced by ``head``'s.
 
-    Raises ``ValueError`` (naming the tensors) when the head does not match the target's MTP head, and
-    ``FileNotFoundError`` when ``target_dir`` has no MTP tensors or no safetensors checkpoint.
+    Raises ``ValueError`` (naming the tensors) when the head does not match the target's MTP head or has a draft
+    vocabulary, and ``FileNotFoundError`` when ``target_dir`` has no MTP tensors or no safetensors checkpoint.
     """
+    if head.d2t is not None:
+        raise ValueError(
+            "This head predicts over a draft vocabulary, which serving engines do not read from a target's MTP "
+            "tensors: save it as a head checkpoint (save_mtp_head), or train it over the full vocabulary."
+        )
     source, prefix = Path(target_dir), head.checkpoint_prefix
     config = json.loads((source / "config.json").read_text())
     original = read_mtp_tensors(source, prefix)

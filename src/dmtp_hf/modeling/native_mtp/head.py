@@ -28,6 +28,7 @@ from transformers.cache_utils import Cache
 from transformers.masking_utils import create_causal_mask
 
 from ..configuration_dmtp import MTP_HIDDEN_INPUTS
+from ..draft_vocab import register_draft_vocabulary, scatter_to_vocabulary, subset_head_logits
 from .layouts import MTPLayout, build_mtp_layer_config
 
 __all__ = ["HIDDEN_INPUTS", "NativeMTPHead"]
@@ -89,6 +90,8 @@ class NativeMTPHead(nn.Module):
         if getattr(self.layer, "self_attn", None) is None:
             raise ValueError(f"The MTP layer built from {layer_class.__name__} has no full-attention `self_attn`")
 
+        self.register_buffer("d2t", None)  # a draft vocabulary (`use_draft_vocabulary`); None: the full one
+        self.register_buffer("t2d", None)
         self._shared = _SharedTargetModules(
             embed_tokens=target.get_input_embeddings(),
             lm_head=target.get_output_embeddings(),
@@ -108,9 +111,20 @@ class NativeMTPHead(nn.Module):
         """The target's LM head (shared, not owned)."""
         return self._shared.lm_head
 
-    def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Project MTP outputs ``g`` (``[..., H]``) to vocabulary logits (``[..., V]``) with the target LM head."""
-        return self.lm_head(hidden_states.to(self.lm_head.weight.dtype))
+    def logits(self, hidden_states: torch.Tensor, subset: bool = False) -> torch.Tensor:
+        """Project MTP outputs ``g`` (``[..., H]``) to vocabulary logits (``[..., V]``) with the target LM head. With
+        a draft vocabulary only its rows run: scattered into the vocabulary (``-inf`` elsewhere), or with ``subset``
+        the ``[..., draft_vocab]`` logits themselves (training)."""
+        if self.d2t is None:
+            return self.lm_head(hidden_states.to(self.lm_head.weight.dtype))
+        logits = subset_head_logits(self, self.lm_head, hidden_states)
+        return logits if subset else scatter_to_vocabulary(self, logits)
+
+    def use_draft_vocabulary(self, size: int | None) -> None:
+        """Predict over ``size`` target tokens only (``d2t``/``t2d`` buffers, saved with the head, filled by
+        `set_draft_vocabulary` or a checkpoint); ``None``: the full vocabulary. Native heads keep the full one unless
+        asked: vLLM and SGLang read no draft vocabulary for MTP heads."""
+        register_draft_vocabulary(self, size, self.lm_head.weight.shape[0])
 
     # ------------------------------------------------------------------------------------------------------------
     # Stateless forward

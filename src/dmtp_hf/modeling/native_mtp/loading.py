@@ -180,6 +180,8 @@ def checkpoint_to_head_state_dict(
             if name.startswith(checkpoint_name + "."):
                 target_name = part + name[len(checkpoint_name) :]
                 break
+        if name in ("d2t", "t2d"):  # a draft vocabulary (head checkpoints of `save_mtp_head`)
+            target_name = name
         if target_name is None and any(name.startswith(skip + ".") for skip in layout.ignored):
             ignored.append(name)
             continue
@@ -260,6 +262,8 @@ def load_native_mtp(
     # device context is thread-local, unlike accelerate's init_empty_weights, which patches nn.Module process-wide.
     with torch.device("meta"):
         head = NativeMTPHead(target, layout, hidden_input=hidden_input)
+        if "d2t" in tensors:  # filled from the checkpoint below
+            head.use_draft_vocabulary(tensors["d2t"].numel())
     state_dict = _head_state_dict(head, tensors, layout, checkpoint)
     dtype = dtype or target.get_input_embeddings().weight.dtype
     device = device or target.get_output_embeddings().weight.device
