@@ -13,7 +13,8 @@ maximises tokens per second over the batch (``k = 0`` is a plain decoding step):
   measured as the generation runs.
 - `AutoWidth`: the choice. Before drafting, from what earlier rounds accepted per position (optimistic before any
   evidence, kept across calls for the same draft): when no width pays, the round is a plain step that runs no
-  drafter stage, and a probe that verifies the whole block follows after 2, 4, ... 32 such rounds. DMTP asks
+  drafter stage, and a probe that verifies the whole block follows after 2, 4, ... such rounds (doubling while
+  probes lose, at most ~`EXPLORATION` of the time, the schedule kept across calls). DMTP asks
   again after T1, before running DFlash: when T1 alone (or nothing) is the best bet, the DFlash forward is
   skipped; MTP-k chains stop when the next step does not pay for itself.
 - One width serves the whole batch: a batch's verify is one padded rectangle, so a shorter block for one row would
