@@ -192,3 +192,16 @@ def test_head_training_builds_its_vocabulary_and_saves_it(tmp_path, target_dir):
     assert torch.equal(saved.t2d, trainer.mtp_head.t2d.cpu())
     with pytest.raises(ValueError, match="mtp_draft_vocab_size"):
         make_config(tmp_path, target_model=str(target_dir), mtp_draft_vocab_size=20)  # a frozen head
+
+
+def test_a_new_vocabulary_of_another_size_replaces_the_cached_head_rows(targets):
+    target = targets["qwen3_5"]
+    from dmtp_hf.modeling.native_mtp import new_mtp_head
+
+    head = new_mtp_head(target)
+    g = torch.randn(1, target.config.hidden_size)
+    full = head.logits(g)
+    for size in (8, 16):  # the second vocabulary must not reuse the first's gathered rows
+        head.use_draft_vocabulary(size)
+        set_draft_vocabulary(head, range(size))
+        torch.testing.assert_close(head.logits(g, subset=True), full[..., :size])

@@ -125,11 +125,12 @@ def main() -> None:
     parser.add_argument("--regenerated", default=str(ROOT / "outputs/smollm2/regenerated"))
     parser.add_argument("--features", default=str(ROOT / "outputs/smollm2/features_probe"),
                         help="offline features for the step timing (made here from 64 records if absent)")  # fmt: skip
-    parser.add_argument("--sizes", default="4096,8192,16384")
+    parser.add_argument("--sizes", default="4096,8192,12288,16384")
     parser.add_argument("--train-size", type=int, default=8192, help="the subset the step timing uses")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--coverage-only", action="store_true", help="only the coverage (no timing)")
     parser.add_argument("--output", default=str(ROOT / "reports/smollm2/draft_vocab.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -143,19 +144,39 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     files = sorted(Path(args.regenerated).glob("train_*.jsonl"))
     files = [f for f in files if f.name != "train_all.jsonl"]
-    streams = answers(files, tokenizer)
-    random.Random(0).shuffle(streams)
-    held = len(streams) // 10
-    train, heldout = streams[held:], streams[:held]
+    per_set = {f.stem.removeprefix("train_"): answers([f], tokenizer) for f in files}
+    train, heldout_per_set = [], {}
+    for name, streams in per_set.items():  # 10 % of each set held out (seeded)
+        random.Random(0).shuffle(streams)
+        held = len(streams) // 10
+        train += streams[held:]
+        heldout_per_set[name] = streams[:held]
+    heldout = [s for streams in heldout_per_set.values() for s in streams]
     eos = [tokenizer.eos_token_id]
     vocab = len(tokenizer)
     ranked, _ = frequency_ranked_vocabulary(train, max(sizes), vocab, eos)  # the first n of it: the n-subset
-    coverage = {}
+
+    def share(subset: set[int], streams: list[list[int]]) -> float:
+        return sum(t in subset for s in streams for t in s) / max(1, sum(len(s) for s in streams))
+
+    coverage, coverage_per_set = {}, {}
     for size in sizes:
         subset = set(ranked[:size])
-        inside = sum(t in subset for s in heldout for t in s)
-        coverage[str(size)] = inside / max(1, sum(len(s) for s in heldout))
-    print("coverage of held-out answer tokens:", {k: f"{v:.2%}" for k, v in coverage.items()})
+        coverage[str(size)] = share(subset, heldout)
+        coverage_per_set[str(size)] = {name: share(subset, streams) for name, streams in heldout_per_set.items()}
+    print("coverage of held-out answer tokens:", json.dumps(coverage_per_set, indent=1))
+    result = {
+        "answers": {"train": len(train), "heldout": len(heldout), "files": [f.name for f in files]},
+        "distinct_train_tokens": len({t for s in train for t in s}),
+        "coverage_heldout": coverage,
+        "coverage_heldout_per_set": coverage_per_set,
+        "threads": args.threads,
+        "command": "python scripts/reproduce/smollm2/draft_vocab_cost.py " + " ".join(sys.argv[1:]),
+    }
+    if args.coverage_only:
+        Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+        print("wrote", args.output)
+        return
 
     target = load_target(args.target, torch.device("cpu"), torch.float32)
     costs = head_costs(target, sizes, ranked, args.repeats)
@@ -168,21 +189,14 @@ def main() -> None:
         from dmtp_hf.cli import main as dmtp
 
         dmtp(["extract", "--target", args.target, "--data", str(probe), "--output", str(features),
-              "--target-layer-ids", "1,14,27", "--head-inputs", "--max-length", "384", "--batch-size", "8",
+              "--target-layer-ids", "1,14,27", "--no-mtp", "--head-inputs", "--max-length", "384", "--batch-size", "8",
               "--shard-size", "64", "--dtype", "bfloat16"])  # fmt: skip
     steps = {
         "dflash": step_times(ROOT / "configs/smollm2-dflash.yaml", features, args.train_size, args.steps),
         "mtp_head": step_times(ROOT / "configs/smollm2-mtp-head.yaml", features, args.train_size, args.steps),
     }
     print("training step time:", json.dumps(steps, indent=1))
-    result = {
-        "answers": {"train": len(train), "heldout": len(heldout), "files": [f.name for f in files]},
-        "coverage_heldout": coverage,
-        "lm_head_ms": costs,
-        "train_step": steps,
-        "threads": args.threads,
-        "command": "python scripts/reproduce/smollm2/draft_vocab_cost.py " + " ".join(sys.argv[1:]),
-    }
+    result.update(lm_head_ms=costs, train_step=steps)
     Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
     print("wrote", args.output)
 

@@ -64,7 +64,8 @@ def subset_head_logits(model: nn.Module, head: nn.Module, hidden_states: torch.T
     """``head`` (the target's LM head) over the subset's rows only: ``[..., draft_vocab]``. The gathered rows are
     cached per weight version, device and dtype (the target head is frozen; a training step sees it unchanged)."""
     weight = head.weight
-    key = (weight.data_ptr(), weight._version, weight.dtype, weight.device, model.d2t._version)
+    d2t = model.d2t  # a vocabulary set again (same buffer, new version) or replaced (new buffer) invalidates the rows
+    key = (weight.data_ptr(), weight._version, weight.dtype, weight.device, d2t.data_ptr(), d2t.numel(), d2t._version)
     cached = getattr(model, "_subset_head_cache", None)
     if cached is None or cached[0] != key:
         rows = draft_token_ids(model).to(weight.device)
