@@ -115,9 +115,12 @@ def test_sampled_output_keeps_the_targets_distribution_with_a_pruned_q(vocab6):
     assert any(token in (1, 3, 5) for key in counts for token in key)  # tokens outside the subset still come out
 
 
-def test_training_from_scratch_builds_the_vocabulary_from_the_answers(tmp_path, target_dir):  # noqa: F811
+@pytest.mark.parametrize("backbone", ["dflash", "dflash2"])
+def test_training_from_scratch_builds_the_vocabulary_from_the_answers(tmp_path, target_dir, backbone):  # noqa: F811
     """``draft_config.draft_vocab_size``: the subset is the training answers' most frequent tokens (EOS in), the
-    loss is finite, and the exported checkpoint carries the mapping."""
+    loss is finite (DFlash2: its selector's too, over the subset's top-k), and the exported checkpoint carries the
+    mapping."""
+    from test_dflash2 import SELECTOR
     from test_training import make_config, random_dataset
 
     from dmtp_hf.training import Trainer
@@ -125,6 +128,8 @@ def test_training_from_scratch_builds_the_vocabulary_from_the_answers(tmp_path, 
 
     config = make_config(tmp_path, max_steps=2, save_every=2)
     config.draft_config["draft_vocab_size"] = 24
+    if backbone == "dflash2":
+        config.draft_config.update(backbone="dflash2", dflash_config=dict(SELECTOR))
     data = random_dataset(8, 24)
     trainer = Trainer(config, target=load_target(target_dir), train_dataset=data)
     answers = torch.cat([item["input_ids"][item["loss_mask"].bool()] for item in data])
@@ -205,3 +210,22 @@ def test_a_new_vocabulary_of_another_size_replaces_the_cached_head_rows(targets)
         head.use_draft_vocabulary(size)
         set_draft_vocabulary(head, range(size))
         torch.testing.assert_close(head.logits(g, subset=True), full[..., :size])
+
+
+def test_a_dflash2_draft_over_a_draft_vocabulary_walks_subset_tokens_and_stays_lossless(targets):
+    """DFlash2's walk picks among the top-k of the subset's logits: every candidate a subset token, output plain."""
+    from test_dflash2 import dflash2_draft
+
+    target = targets["qwen3_5"]
+    prompt = torch.tensor([[5, 17, 42, 9]])
+    plain = target.generate(prompt, do_sample=False, max_new_tokens=16)
+    subset = torch.unique(torch.cat([plain[0], torch.arange(0, target.config.vocab_size, 3)]))
+    for layout in ({"anchor_layout": "dflash", "fusion": "none"}, {}):
+        draft = dflash2_draft(target, draft_vocab_size=subset.numel(), **layout)
+        set_draft_vocabulary(draft, subset)
+        drafter = DFlashDrafter(draft) if layout else DMTPDrafter(draft, draft.native_mtp)
+        recorder = Recorder(drafter)
+        out, _ = speculative_decode(target, prompt, recorder, max_length=plain.shape[1])
+        assert torch.equal(out, plain), layout
+        first = 0 if layout else 1  # DMTP's T1 is the native head's
+        assert recorder.proposals and all(torch.isin(p[:, first:], subset).all() for p in recorder.proposals)

@@ -4,6 +4,7 @@
     python scripts/reproduce/bundle_drafts.py --set tuned     # the tuned MTP head and the DMTP draft adapted to it
     python scripts/reproduce/bundle_drafts.py --set d2        # the DFlash2 and DMTP(D2) drafts
     python scripts/reproduce/bundle_drafts.py --set smollm2   # outputs/smollm2/{mtp_head,dflash,dmtp} -> models/smollm2
+    python scripts/reproduce/bundle_drafts.py --set smollm2-d2  # outputs/smollm2/{dflash2,dmtp_d2} -> models/smollm2
 
 Each bundled folder holds ``config.json``, ``model.safetensors`` and ``training.json`` (steps, samples, CPU time,
 last held-out metrics, the full training config), which the comparison report quotes. The bundled drafts stay fp32
@@ -47,8 +48,12 @@ SETS = {
         (OUTPUTS / "smollm2" / "dflash" / "final", "smollm2/dflash", "draft"),
         (OUTPUTS / "smollm2" / "dmtp" / "final", "smollm2/dmtp", "draft"),
     ],
+    "smollm2-d2": [
+        (OUTPUTS / "smollm2" / "dflash2" / "final", "smollm2/dflash2", "draft"),
+        (OUTPUTS / "smollm2" / "dmtp_d2" / "final", "smollm2/dmtp_d2", "draft"),
+    ],
 }
-BF16_SETS = {"smollm2"}
+BF16_SETS = {"smollm2", "smollm2-d2"}
 
 
 def _check(source: Path, kind: str) -> None:

@@ -23,6 +23,10 @@ if [ ! -f $OUT/prompts/train_magpie.jsonl ] && [ -f scripts/reproduce/smollm2/da
   zcat scripts/reproduce/smollm2/data/prompts_magpie.jsonl.gz > $OUT/prompts/train_magpie.jsonl
 fi
 $PY scripts/reproduce/smollm2/magpie.py --target $OUT/target --out $OUT/prompts/train_magpie.jsonl --count 1500
+# two jobs, one core each (about 3 s per record each), then one pass over all sets that finds them done and splits
+SETS="math code" OMP_NUM_THREADS=1 bash scripts/reproduce/smollm2/regenerate.sh $OUT/target $OUT/prompts $OUT/regenerated &
+SETS="chat magpie" OMP_NUM_THREADS=1 bash scripts/reproduce/smollm2/regenerate.sh $OUT/target $OUT/prompts $OUT/regenerated &
+wait
 bash scripts/reproduce/smollm2/regenerate.sh $OUT/target $OUT/prompts $OUT/regenerated
 
 # 3. offline features: the draft's target layers and the hidden the MTP head reads (bf16 on disk)
@@ -30,12 +34,17 @@ $DMTP extract --target $OUT/target --data $OUT/regenerated/train_all.jsonl --out
     --target-layer-ids 1,14,27 --no-mtp --head-inputs --max-length 384 --batch-size 8 --shard-size 128 \
     --dtype bfloat16
 
-# 4. the retrofitted MTP head and the DFlash baseline in parallel (one core each), then DMTP on the trained head
+# 4. the retrofitted MTP head and the DFlash baseline in parallel (one core each), then DMTP on the trained head and
+# DFlash2, then DMTP(D2); all over the same 16,384-token draft vocabulary (reports/smollm2/draft_vocab.md)
 OMP_NUM_THREADS=1 $DMTP train --config configs/smollm2-mtp-head.yaml > $OUT/train-mtp-head.log 2>&1 &
 OMP_NUM_THREADS=1 $DMTP train --config configs/smollm2-dflash.yaml > $OUT/train-dflash.log 2>&1 &
 wait
-$DMTP train --config configs/smollm2-dmtp.yaml > $OUT/train-dmtp.log 2>&1
+OMP_NUM_THREADS=1 $DMTP train --config configs/smollm2-dmtp.yaml > $OUT/train-dmtp.log 2>&1 &
+OMP_NUM_THREADS=1 $DMTP train --config configs/smollm2-dflash2.yaml > $OUT/train-dflash2.log 2>&1 &
+wait
+$DMTP train --config configs/smollm2-dmtp-d2.yaml > $OUT/train-dmtp-d2.log 2>&1
 
 # 5. bundle (bf16, each under 15 MB) and compare
 $PY scripts/reproduce/bundle_drafts.py --set smollm2
+$PY scripts/reproduce/bundle_drafts.py --set smollm2-d2
 $PY scripts/reproduce/compare.py --bundle smollm2 --limit 20 --max-new-tokens 128 --bench-limit 4 --batch-sizes 1,2,4

@@ -116,7 +116,11 @@ def bundle_paths(bundle: str = "bundled") -> dict[str, Any]:
             "draft": SMOLLM2_DIR / "dmtp",
             "dflash_draft": SMOLLM2_DIR / "dflash",
             "mtp_head": SMOLLM2_DIR / "mtp_head",
-            "extra_drafts": {},
+            "extra_drafts": {  # `dflash2`, `dmtp-d2`, once trained (configs/smollm2-dflash2.yaml, -dmtp-d2.yaml)
+                name.replace("_", "-"): SMOLLM2_DIR / folder
+                for name, folder in OPTIONAL_MODELS.items()
+                if (SMOLLM2_DIR / folder / "config.json").is_file()
+            },
             "heads": {},
         }
     raise KeyError(f"Unknown bundle {bundle!r}; available: {list(BUNDLES)}")
