@@ -235,6 +235,15 @@ def test_calibration_is_monotone_fits_what_it_saw_and_round_trips(tmp_path, targ
     assert abs(float(got[0, 0]) - 0.95**2) < 0.08 and abs(float(got[0, 1]) - 0.475) < 0.08
     assert float(got[1, 0]) < 0.1 and float(got[1, 1]) < 0.15
     assert torch.equal(Calibration.from_dict(calibration.to_dict())(got), calibration(got))
+    # the held-out base rate per position (E[conf^2] = 1/3, E[conf / 2] = 1/4) round-trips and seeds the priors
+    assert calibration.base_rates == pytest.approx([1 / 3, 1 / 4], abs=0.03)
+    assert Calibration.from_dict(calibration.to_dict()).base_rates == calibration.base_rates
+    assert AutoWidth(CostModel({1: 1.0}), calibration, 3).prior == [*calibration.base_rates, calibration.base_rates[-1]]
+    assert Calibration.from_dict({"edges": [1.0], "rates": [[0.5]]}).base_rates == []  # fits from before base rates
+    # a draft known to be weak runs plain from its first round instead of being tried in full first
+    cost = CostModel({1: 1.0, 2: 1.3, 3: 1.6, 4: 1.9})
+    assert not AutoWidth(cost, Calibration([1.0], [[0.02]] * 3, [0.02] * 3), 3).drafts(1, [[]] * 4)
+    assert AutoWidth(cost, Calibration([1.0], [[0.02]] * 3), 3).drafts(1, [[]] * 4)  # no base rates: tried first
     # judged on pairs it was not fitted on, the fit beats the raw confidence (which over-predicts here)
     fit, held = split_pairs(pairs, 0.25)
     for row in reliability(Calibration.fit(fit), held):

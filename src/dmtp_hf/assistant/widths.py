@@ -11,12 +11,12 @@ maximises tokens per second over the batch (``k = 0`` is a plain decoding step):
 - `CostModel`: the target forward's seconds per width, measured on this machine at first use (a short timing of
   dummy forwards, cached per target, device, dtype and batch size; never a constant), and the drafter's stages,
   measured as the generation runs.
-- `AutoWidth`: the choice. Before drafting, from what earlier rounds accepted per position (optimistic before any
-  evidence, kept across calls for the same draft): when no width pays, the round is a plain step that runs no
-  drafter stage, and a probe that verifies the whole block follows after 2, 4, ... such rounds (doubling while
-  probes lose, at most ~`EXPLORATION` of the time, the schedule kept across calls). DMTP asks
-  again after T1, before running DFlash: when T1 alone (or nothing) is the best bet, the DFlash forward is
-  skipped; MTP-k chains stop when the next step does not pay for itself.
+- `AutoWidth`: the choice. Before drafting, from what earlier rounds accepted per position (before any evidence the
+  calibration's held-out rates, or optimistic without them; kept across calls for the same draft): when no width
+  pays, the round is a plain step that runs no drafter stage, and a probe that verifies the whole block follows
+  after 2, 4, ... such rounds (doubling while probes lose, at most ~`EXPLORATION` of the time, the schedule kept
+  across calls). DMTP asks again after T1, before running DFlash: when T1 alone (or nothing) is the best bet, the
+  DFlash forward is skipped; MTP-k chains stop when the next step does not pay for itself.
 - One width serves the whole batch: a batch's verify is one padded rectangle, so a shorter block for one row would
   save no compute and only give up tokens.
 
@@ -45,8 +45,9 @@ _COSTS: dict[tuple, dict[int, float]] = {}  # (target id, device, dtype, batch) 
 # What earlier calls learned of a draft's acceptance per position (`AutoWidth.prior`, ...): per draft
 # (or MTP head) module, then per strategy and K.
 _PRIORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # -> {(name, K): (prior, seen, confidence)}
-# Before any evidence a candidate is assumed accepted this often, worth this many observations: optimistic, so a new
-# draft is tried before it is judged. Later evidence moves the estimate with weight >= PRIOR_RATE.
+# Before any evidence a candidate is assumed accepted this often (a calibrated draft: its calibration's held-out
+# rate), worth this many observations: optimistic, so a new draft is tried before it is judged. Later evidence moves
+# the estimate with weight >= PRIOR_RATE.
 PRIOR_ACCEPTANCE, PRIOR_WEIGHT, PRIOR_RATE = 0.9, 2.0, 0.1
 # Plain rounds between probes of a draft that does not pay (`AutoWidth.drafts`): the first wait, and the longest
 # the doubling reaches unless a probe costs so much that EXPLORATION (the share of the time probes may lose against
@@ -63,11 +64,14 @@ def confidences(tokens: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
 class Calibration:
     """Per candidate position j, a monotone step map confidence -> P(accepted | earlier accepted).
 
-    ``edges`` are the right bin edges in ``(0, 1]``; ``rates[j][b]`` the fitted rate of bin b at position j.
+    ``edges`` are the right bin edges in ``(0, 1]``; ``rates[j][b]`` the fitted rate of bin b at position j;
+    ``base_rates[j]`` the rate at position j over all confidences (where `AutoWidth` starts its estimates: a draft
+    known to be weak is not tried in full first).
     """
 
     edges: list[float] = field(default_factory=list)
     rates: list[list[float]] = field(default_factory=list)
+    base_rates: list[float] = field(default_factory=list)
 
     def __call__(self, conf: torch.Tensor) -> torch.Tensor:
         """``[B, k]`` acceptance probabilities of candidates with confidences ``conf`` ``[B, k]``."""
@@ -85,7 +89,7 @@ class Calibration:
         ``num_bins`` equal-width confidence bins."""
         edges = [(b + 1) / num_bins for b in range(num_bins)]
         num_positions = 1 + max((p for p, _, _ in pairs), default=-1)
-        rates = []
+        rates, base_rates = [], []
         for position in range(num_positions):
             sums, counts = [0.0] * num_bins, [0] * num_bins
             for p, conf, accepted in pairs:
@@ -94,16 +98,19 @@ class Calibration:
                     sums[b] += float(accepted)
                     counts[b] += 1
             rates.append(_isotonic(sums, counts))
-        return cls(edges, rates)
+            base_rates.append(sum(sums) / sum(counts) if sum(counts) else (base_rates[-1] if base_rates else 0.5))
+        return cls(edges, rates, base_rates)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form (stored in the draft's config, ``dmtp_config["acceptance_calibration"]``)."""
-        return {"edges": self.edges, "rates": self.rates}
+        return {"edges": self.edges, "rates": self.rates, "base_rates": self.base_rates}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> Calibration:
-        """The inverse of `to_dict` (``None``: uncalibrated)."""
-        return cls(list(data["edges"]), [list(r) for r in data["rates"]]) if data else cls()
+        """The inverse of `to_dict` (``None``: uncalibrated; fits stored before base rates existed have none)."""
+        if not data:
+            return cls()
+        return cls(list(data["edges"]), [list(r) for r in data["rates"]], list(data.get("base_rates") or []))
 
 
 def _isotonic(sums: list[float], counts: list[int]) -> list[float]:
@@ -224,7 +231,10 @@ class AutoWidth:
 
     def __init__(self, cost: CostModel, calibration: Calibration, max_candidates: int) -> None:
         self.cost, self.calibration, self.max_candidates = cost, calibration, max_candidates
-        self.prior = [PRIOR_ACCEPTANCE] * max_candidates  # P(accepted | earlier accepted) per position, learned
+        # P(accepted | earlier accepted) per position, learned; before any round the calibration's held-out rates,
+        # or optimistic for a draft without them
+        base = calibration.base_rates
+        self.prior = [base[min(j, len(base) - 1)] if base else PRIOR_ACCEPTANCE for j in range(max_candidates)]
         self.seen = [0.0] * max_candidates  # tests each prior has absorbed
         self.mean_confidence = [PRIOR_ACCEPTANCE] * max_candidates  # of the tested candidates (see `acceptance`)
         self.probing = False  # this round verifies the whole block, whatever the estimates (see `drafts`)
