@@ -48,3 +48,6 @@ $DMTP train --config configs/smollm2-dmtp-d2.yaml > $OUT/train-dmtp-d2.log 2>&1
 $PY scripts/reproduce/bundle_drafts.py --set smollm2
 $PY scripts/reproduce/bundle_drafts.py --set smollm2-d2
 $PY scripts/reproduce/compare.py --bundle smollm2 --limit 20 --max-new-tokens 128 --bench-limit 4 --batch-sizes 1,2,4
+# the blog's section 7 protocol: the same prompts sampled at temperature 1 (rejection verification, fixed widths)
+$PY scripts/reproduce/compare.py --bundle smollm2 --limit 20 --max-new-tokens 128 --temperature 1 --skip-bench \
+    --output-dir reports/smollm2/t1
