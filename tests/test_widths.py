@@ -305,7 +305,8 @@ def test_calibrate_fits_stores_and_auto_reads_it(models_dir, tmp_path, capsys):
     assert rows[0]["tested"] > 0 and all(0 <= row["brier_calibrated"] <= 1 for row in rows)
     assert report["held_out"] == round(0.25 * report["pairs"])
     stored = json.loads((draft_dir / "config.json").read_text())["dmtp_config"]["acceptance_calibration"]
-    assert stored == {"edges": report["edges"], "rates": report["rates"]}
+    assert stored == {"edges": report["edges"], "rates": report["rates"], "base_rates": report["base_rates"]}
+    assert len(stored["base_rates"]) == len(stored["rates"]) and all(0 <= r <= 1 for r in stored["base_rates"])
     target = load_tiny_target(models_dir / "target")
     draft = DMTPDraftModel.from_pretrained(draft_dir, target=target)
     assert width_policy("auto", target, DMTPDrafter(draft, draft.native_mtp), 1).calibration.rates == stored["rates"]
