@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 IGNORE_INDEX = -100
+DRAFT_VOCAB_TENSORS = ("d2t", "t2d")  # the buffers' names, in every checkpoint that holds a draft vocabulary
 
 
 def register_draft_vocabulary(model: nn.Module, draft_vocab_size: int | None, vocab_size: int) -> None:

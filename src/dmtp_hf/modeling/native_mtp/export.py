@@ -27,6 +27,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..draft_vocab import DRAFT_VOCAB_TENSORS
 from ..io import atomic_directory
 from .fp8 import FP8_DTYPES, SCALE_SUFFIX, fp8_block_size, quantize_block_fp8
 from .head import NativeMTPHead
@@ -35,7 +36,6 @@ from .loading import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, read_mtp_tensor
 __all__ = ["HEAD_CONFIG_KEY", "MTP_SHARD", "export_mtp_into_target", "head_checkpoint_tensors", "save_mtp_head"]
 
 HEAD_CONFIG_KEY = "dmtp_mtp_head"
-DRAFT_VOCAB_TENSORS = ("d2t", "t2d")
 MTP_SHARD = "model-mtp.safetensors"
 _FUSED_EXPERTS = re.compile(r"^(?P<experts>.*\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
 

@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
 
+from ..draft_vocab import DRAFT_VOCAB_TENSORS
 from ..io import check_finite
 from .fp8 import dequantize_fp8_state_dict
 from .fp8 import fp8_block_size as block_size_of
@@ -180,7 +181,7 @@ def checkpoint_to_head_state_dict(
             if name.startswith(checkpoint_name + "."):
                 target_name = part + name[len(checkpoint_name) :]
                 break
-        if name in ("d2t", "t2d"):  # a draft vocabulary (head checkpoints of `save_mtp_head`)
+        if name in DRAFT_VOCAB_TENSORS:  # a draft vocabulary (head checkpoints of `save_mtp_head`)
             target_name = name
         if target_name is None and any(name.startswith(skip + ".") for skip in layout.ignored):
             ignored.append(name)
