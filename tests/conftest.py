@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -8,6 +10,10 @@ from dmtp_hf.testing.tiny_targets import FAMILIES, load_tiny_target, make_tiny_t
 
 VOCAB = 96
 HIDDEN = 32
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs one worker per core; a worker's own intra-op threads would only contend with the others.
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)

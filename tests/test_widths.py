@@ -221,6 +221,26 @@ def test_rounds_where_drafting_does_not_pay_run_no_drafter_stage(targets, monkey
     assert len(head_calls) <= drafted + 1, (len(head_calls), drafted)  # + the prompt's pairs
 
 
+def test_a_call_ending_on_a_drafted_round_leaves_nothing_for_the_next_call(targets):
+    """The last round of a call proposes and is verified, but the drafter never advances past it: its confidences
+    (three rows here) must not reach the next call's first plain round (two rows), which would learn from them."""
+    target = targets["qwen3_5"]
+    draft = draft_for(target)
+    drafter = DMTPDrafter(draft, draft.native_mtp)
+    costs = CostModel({w: 1.0 + 0.05 * (w - 1) for w in range(1, 9)})  # a wide verify costs about one step
+    first = torch.tensor([[5, 17, 42, 9], [8, 3, 61, 2], [40, 41, 7, 19]])
+    strong = AutoWidth(costs, Calibration(), 7)
+    strong.prior = [0.9] * 7  # the first call's one round drafts
+    out, _ = speculative_decode(target, first, drafter, max_length=first.shape[1] + 2, verify_length=strong)
+    assert torch.equal(out, greedy_reference(target, first, max_new_tokens=2))
+    assert drafter._confidence is not None and drafter._confidence.shape[0] == 3  # the call ended on a drafted round
+    weak = AutoWidth(costs, Calibration(), 7)
+    weak.prior = [0.02] * 7  # the next call's first round is plain: nothing of its own overwrites the leftovers
+    second = first[:2]
+    out, stats = speculative_decode(target, second, drafter, max_length=second.shape[1] + MAX_NEW, verify_length=weak)
+    assert torch.equal(out, greedy_reference(target, second)) and stats.plain_rounds > 0
+
+
 def test_calibration_is_monotone_fits_what_it_saw_and_round_trips(tmp_path, targets):
     rng = random.Random(0)
     pairs = []

@@ -176,6 +176,12 @@ class _StatefulDrafter(Drafter):
         """Size fixed shapes for sequences of up to ``max_positions`` tokens (plus one verify's candidates)."""
         self.capacity = max_positions + self.num_candidates + 1
 
+    def _begin(self, step: TargetStep) -> None:
+        """A new call: nothing learned from the last one's final proposal (a call can end between a proposal and its
+        verdict, and its rows need not be this call's), and the prompt checked against the fixed capacity."""
+        self._confidence = self._predicted = None
+        self._check_capacity(step)
+
     def _check_capacity(self, step: TargetStep) -> None:
         """Fixed shapes: refuse, before any write, a prompt the reserved capacity cannot hold with one verify."""
         if not self.fixed_shapes:
@@ -277,7 +283,7 @@ class DFlashDrafter(_StatefulDrafter):
 
     def start(self, step: TargetStep) -> None:
         """Fresh context holding the prompt features."""
-        self._check_capacity(step)
+        self._begin(step)
         self.context = self._state(self.context, DFlashContext, self.draft)
         self.context.start(step)
 
@@ -315,7 +321,7 @@ class MTPDrafter(_StatefulDrafter):
 
     def start(self, step: TargetStep) -> None:
         """Start the MTP state over all prompt pairs."""
-        self._check_capacity(step)
+        self._begin(step)
         self.mtp = self._state(self.mtp, MTPState, self.head)
         with torch.no_grad():
             self.mtp.start(step)
@@ -385,7 +391,7 @@ class DMTPDrafter(_StatefulDrafter):
 
     def start(self, step: TargetStep) -> None:
         """Start the MTP state over the prompt pairs and queue the prompt features for DFlash."""
-        self._check_capacity(step)
+        self._begin(step)
         self.mtp = self._state(self.mtp, MTPState, self.head)
         self.context = self._state(self.context, DFlashContext, self.draft)
         self.context.start(step)
