@@ -34,8 +34,11 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests scripts
 	$(BIN)/ruff format --check src tests scripts
 
+# One pytest worker per core (`make test TEST_WORKERS=0` runs in one process): the suite is many small,
+# single-threaded decodes, so two workers on two cores take about half the time.
+TEST_WORKERS ?= auto
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
 format: $(STAMP)
 	$(BIN)/ruff format src tests scripts
