@@ -383,7 +383,7 @@ def test_bench_prints_every_baseline_side_by_side(models_dir, tmp_path):
 
     data = json.loads((out / "bench.json").read_text())
     assert [b["name"] for b in data["baselines"]] == rows
-    assert data["settings"]["num_prompts"] == 4
+    assert data["settings"]["num_prompts"] == 4 and data["complete"] is True
     for baseline in data["baselines"]:
         assert baseline["skipped"] is None, baseline
         one = baseline["results"]["1"]
@@ -407,6 +407,32 @@ def test_bench_prints_every_baseline_side_by_side(models_dir, tmp_path):
     ]
     assert all(t > 0 for by_width in data["verify_costs"].values() for t in by_width.values())
     assert "target forward cost per width" in printed
+
+
+def test_an_interrupted_bench_keeps_the_batch_sizes_it_measured(models_dir, tmp_path, monkeypatch):
+    from dmtp_hf.evaluation import throughput
+
+    timed = throughput._time_batch_size
+
+    def interrupted(bs, *args, **kwargs):
+        if bs == 2:
+            raise KeyboardInterrupt  # the run stops while timing its second batch size
+        return timed(bs, *args, **kwargs)
+
+    monkeypatch.setattr(throughput, "_time_batch_size", interrupted)
+    out = tmp_path / "bench"
+    argv = ["bench", "--target", str(models_dir / "target"), "--draft", str(models_dir / "dmtp"), "--strategies",
+            "dmtp", "--datasets", "gsm8k", "--limit", "2", "--max-new-tokens", "4", "--batch-sizes", "1,2",
+            "--output-dir", str(out), "--no-progress"]  # fmt: skip
+    with pytest.raises(KeyboardInterrupt):
+        main(argv)
+    data = json.loads((out / "bench.json").read_text())
+    assert data["complete"] is False and [b["name"] for b in data["baselines"]][:2] == ["generate", "dmtp"]
+    for baseline in data["baselines"]:
+        measured = baseline["results"]["1"] is not None
+        assert measured == (baseline["skipped"] is None) and baseline["results"]["2"] is None, baseline
+    assert all(b["results"]["1"]["tokens_per_second"] > 0 for b in data["baselines"][:2])
+    assert data["models"]["target"] and not list(out.glob(".*"))  # no temporary file left behind
 
 
 def test_bench_notes_builtins_a_stateful_target_cannot_run(tmp_path):

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..assistant.widths import AutoWidth, Calibration, CostModel
+from ..modeling.io import atomic_write_json
 
 __all__ = ["CalibrationRecorder", "plot_reliability", "reliability", "split_pairs", "store_calibration"]
 
@@ -48,12 +48,7 @@ def store_calibration(checkpoint: str | os.PathLike, calibration: Calibration) -
     path = Path(checkpoint) / "config.json"
     config = json.loads(path.read_text())
     config.setdefault("dmtp_config", {})["acceptance_calibration"] = calibration.to_dict()
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".config.", suffix=".json")
-    with os.fdopen(handle, "w") as file:
-        json.dump(config, file, indent=2, sort_keys=True)
-        file.write("\n")
-    os.replace(temporary, path)
-    return path
+    return atomic_write_json(path, config, indent=2, sort_keys=True)
 
 
 def split_pairs(pairs: list[tuple[int, float, bool]], held_out: float, seed: int = 0):

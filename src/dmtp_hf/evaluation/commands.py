@@ -347,6 +347,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     """``dmtp bench``: time every baseline side by side; print one table, write JSON and a plot."""
     import torch
 
+    from ..modeling.io import atomic_write_json
     from .acceptance import encode_conversation, generation_kwargs
     from .models import eos_token_ids, load_target
     from .throughput import (
@@ -386,6 +387,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
         verify_length=settings.verify_length,
         compile=args.compile,
     )
+    models = {
+        "target": loaded["paths"].target,
+        "assistant": args.assistant,
+        "strategies": [s.describe() for s in loaded["strategies"]],
+        "datasets": [
+            {"name": s.name, "source": s.source, "num_prompts": len(s.prompts)} for s in loaded["prompt_sets"]
+        ],
+    }
+    out = Path(args.output_dir)
+
+    def write(results: dict) -> None:  # after every batch size too: an interrupted run keeps what it measured
+        atomic_write_json(out / "bench.json", {**results, "models": models}, indent=1, allow_nan=False)
+
     with torch.no_grad():
         results = run_benchmark(
             target,
@@ -397,20 +411,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
             pad_id=pad,
             repeats=args.repeats,
             progress=not args.no_progress,
+            on_batch_size=write,
         )
         widest = 1 + max((s.num_candidates for s in loaded["strategies"]), default=7)
         results["verify_costs"] = verify_costs(target, args.batch_sizes, widest)
-    results["models"] = {
-        "target": loaded["paths"].target,
-        "assistant": args.assistant,
-        "strategies": [s.describe() for s in loaded["strategies"]],
-        "datasets": [
-            {"name": s.name, "source": s.source, "num_prompts": len(s.prompts)} for s in loaded["prompt_sets"]
-        ],
-    }
-    out = Path(args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.json").write_text(json.dumps(results, indent=1, allow_nan=False) + "\n")
+    results["models"] = models
+    write(results)
     plot = plot_throughput(results, out / "throughput.png")
     console = _console()
     console.print(bench_table(results))

@@ -234,6 +234,7 @@ def run_benchmark(
     pad_id: int,
     repeats: int = 1,
     progress: bool = True,
+    on_batch_size: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Time every baseline on the same prompts (1-D token tensors); returns the JSON-serialisable results.
 
@@ -242,6 +243,8 @@ def run_benchmark(
     summed wall time over the workload; ``speedup`` divides it by plain ``generate``'s at the same batch size.
     At batch size 1 each method's tokens are compared with plain ``generate``'s (``matches_generate``: the
     fraction of prompts with identical output, 1.0 for lossless greedy decoding).
+    ``on_batch_size`` receives the results so far after each batch size (``"complete": False`` until the last), so a
+    long run that is interrupted keeps what it measured.
     """
     device = next(target.parameters()).device
     if any(b < 1 for b in batch_sizes):
@@ -263,12 +266,19 @@ def run_benchmark(
             if bs == 1:
                 reference = outputs["generate"]
             _record(bs, active, totals, outputs if bs == 1 else {}, reference, baselines[0])
+            if on_batch_size is not None and bs != batch_sizes[-1]:
+                on_batch_size(_results(baselines, settings, batch_sizes, repeats, prompts, device, complete=False))
     finally:
         bar.close()
+    return _results(baselines, settings, batch_sizes, repeats, prompts, device, complete=True)
 
+
+def _results(baselines, settings, batch_sizes, repeats, prompts, device, *, complete: bool) -> dict[str, Any]:
+    """The JSON-serialisable results of the batch sizes measured so far (the others ``None``)."""
     return _finite(
         {
             "schema": SCHEMA,
+            "complete": complete,
             "environment": _environment(device),
             "settings": {
                 "max_new_tokens": settings.max_new_tokens,

@@ -41,6 +41,24 @@ def atomic_directory(final_dir: str | os.PathLike) -> Iterator[Path]:
         raise
 
 
+def atomic_write_json(path: str | os.PathLike, data: Any, **dump_kwargs: Any) -> Path:
+    """Write ``data`` as JSON to ``path`` through a temporary sibling renamed over it: a reader (or an interrupted
+    writer) never sees half a file. ``dump_kwargs`` go to `json.dump`. Returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".json")
+    try:
+        with os.fdopen(handle, "w") as file:
+            json.dump(data, file, **dump_kwargs)
+            file.write("\n")
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(temporary)
+        raise
+    return path
+
+
 def check_loading_info(info: dict[str, Any]) -> None:
     """Strict loading: raise ``ValueError`` naming every missing, unexpected or mis-shaped tensor that the model's
     own ignore rules (applied by Transformers to ``info``) did not excuse."""
