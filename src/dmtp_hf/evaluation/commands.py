@@ -343,6 +343,18 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_models(loaded: dict[str, Any], assistant: str | None) -> dict[str, Any]:
+    """What a bench ran: the target, assistant, strategies and prompt sets (``bench.json["models"]``)."""
+    return {
+        "target": loaded["paths"].target,
+        "assistant": assistant,
+        "strategies": [s.describe() for s in loaded["strategies"]],
+        "datasets": [
+            {"name": s.name, "source": s.source, "num_prompts": len(s.prompts)} for s in loaded["prompt_sets"]
+        ],
+    }
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     """``dmtp bench``: time every baseline side by side; print one table, write JSON and a plot."""
     import torch
@@ -387,14 +399,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         verify_length=settings.verify_length,
         compile=args.compile,
     )
-    models = {
-        "target": loaded["paths"].target,
-        "assistant": args.assistant,
-        "strategies": [s.describe() for s in loaded["strategies"]],
-        "datasets": [
-            {"name": s.name, "source": s.source, "num_prompts": len(s.prompts)} for s in loaded["prompt_sets"]
-        ],
-    }
+    models = _bench_models(loaded, args.assistant)
     out = Path(args.output_dir)
 
     def write(results: dict) -> None:  # after every batch size too: an interrupted run keeps what it measured
