@@ -21,7 +21,6 @@ Shard format (``features-00000.safetensors``), samples concatenated along the to
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -34,6 +33,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from ..bundled import resolve_target_path
+from ..modeling.io import atomic_write_json
 from ..modeling.native_mtp import NativeMTPHead, TargetHiddenExtractor, load_native_mtp, load_target_checkpoint
 from .data import OfflineFeatureDataset, TokenizedDataset, collate, load_dataset_records
 
@@ -238,9 +238,7 @@ def extract_features(
             "has_head_inputs": extractor.head_inputs,
             **(metadata or {}),
         }
-        partial = out / ".index.json.partial"
-        partial.write_text(json.dumps(index, indent=2) + "\n")
-        os.replace(partial, out / "index.json")
+        atomic_write_json(out / "index.json", index, indent=2)
     return out
 
 
