@@ -2,11 +2,14 @@
 into the target's own checkpoint for every family (real tensor names and dtypes)."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors import safe_open
+from safetensors.torch import load_file
 from test_training import make_config
 
 from dmtp_hf.modeling.native_mtp import export_mtp_into_target, load_native_mtp, load_target_checkpoint
@@ -96,6 +99,61 @@ def test_head_training_resume_after_kill_is_exact(tmp_path, target, target_dir, 
     assert resumed.history[0]["step"] == 3
     for name, tensor in head_state(resumed.mtp_head).items():
         assert torch.equal(tensor, straight[name]), name
+
+
+def test_a_weights_only_bf16_snapshot_resumes_the_step_schedule_and_weights(tmp_path, target, target_dir, greedy_data):
+    """`dmtp train --snapshot`: the newest checkpoint without optimizer state, weights in bf16 (small enough to
+    commit). A run resumed from it starts at the saved step with the draft and head at the bf16-rounded weights,
+    the schedule's learning rate ramped up again from fresh AdamW moments, and the same data order (same loss)."""
+    from dmtp_hf.training.checkpoints import weights_only_checkpoint
+    from dmtp_hf.training.trainer import main as train_main
+
+    def config(out, **extra):
+        values = dict(train_mtp_head="joint", max_steps=8, save_every=4, eval_holdout=0, rewarm_steps=3,
+                      resume_from="auto")  # fmt: skip
+        return head_config(tmp_path / out, target_dir, **{**values, **extra})
+
+    straight = Trainer(config("straight"), target=target, train_dataset=greedy_data)
+    straight.train()
+    at_step_4 = straight.checkpoint_root / "step-00000004"
+    snapshot = weights_only_checkpoint(config("straight").output_dir, tmp_path / "committed")
+    assert snapshot.name == "step-00000008"  # the newest
+    snapshot = weights_only_checkpoint(at_step_4, tmp_path / "committed")
+    assert sorted(p.name for p in snapshot.iterdir()) == ["model", "mtp_head", "trainer_state.json"]
+    files = list(snapshot.glob("*/*.safetensors"))
+    assert len(files) == 2 and all(
+        {t.dtype for t in load_file(f).values() if t.is_floating_point()} == {torch.bfloat16} for f in files
+    )
+
+    resumed_config = config("resumed")
+    (Path(resumed_config.output_dir) / "checkpoints").mkdir(parents=True)
+    shutil.copytree(snapshot, Path(resumed_config.output_dir) / "checkpoints" / snapshot.name)
+    resumed = Trainer(resumed_config, target=target, train_dataset=greedy_data)
+    resumed.load_checkpoint(resumed._find_resume_checkpoint())
+    full = Trainer(config("straight", resume_from=str(at_step_4)), target=target, train_dataset=greedy_data)
+    full.load_checkpoint(at_step_4)
+    assert resumed.step == full.step == 4 and resumed.rewarm_from == 4 and full.rewarm_from is None
+    for live, exact in ((resumed.draft, full.draft), (resumed.trained_head, full.trained_head)):
+        exact_weights = exact.state_dict()
+        for name, tensor in live.state_dict().items():
+            assert tensor.dtype == exact_weights[name].dtype, name  # fp32 masters, loaded from bf16
+            assert torch.equal(tensor, exact_weights[name].to(torch.bfloat16).to(tensor.dtype)), name
+    assert resumed.scheduler.get_last_lr() == full.scheduler.get_last_lr()
+    assert not resumed.optimizer.state  # fresh moments
+
+    history = Trainer(resumed_config, target=target, train_dataset=greedy_data).train()
+    assert [h["step"] for h in history] == [5, 6, 7, 8]
+    straight_step_5 = straight.history[4]
+    assert history[0]["loss"] == pytest.approx(straight_step_5["loss"], rel=0.02)  # same batch, bf16-rounded weights
+    # the ramp: the first resumed updates use 1/4, 1/2, 3/4 of the scheduled rate, then all of it
+    scheduled = [h["lr"] for h in straight.history[4:]]
+    assert [h["lr"] / s for h, s in zip(history, scheduled)] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+
+    # the CLI writes the same snapshot from a config
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text(yaml.safe_dump(config("straight").to_dict()))
+    assert train_main(["--config", str(yaml_file), "--snapshot", str(tmp_path / "cli")]) == 0
+    assert (tmp_path / "cli" / "step-00000008" / "mtp_head").is_dir()
 
 
 def test_head_lora_trains_and_merges(tmp_path, target, target_dir, greedy_data):

@@ -20,7 +20,7 @@ done
 # Records per set (environment variables override): about 6,500 in all, close to the evaluation mix of math,
 # code and chat/instructions.
 declare -A LIMIT=([math]=${MATH_LIMIT:-2000} [code]=${CODE_LIMIT:-2000} [chat]=${CHAT_LIMIT:-1000}
-                  [magpie]=${MAGPIE_LIMIT:-1500})
+                  [magpie]=${MAGPIE_LIMIT:-1200})
 declare -A TOKENS=([math]=192 [code]=192 [chat]=128 [magpie]=192)  # chat: two short turns per record
 STAGES=${STAGES:-"250 500 1000 1500 2000"}
 # SETS="math code" and SETS="chat magpie" run as two jobs (one core each); the split then waits for a run over all

@@ -34,15 +34,15 @@ $DMTP extract --target $OUT/target --data $OUT/regenerated/train_all.jsonl --out
     --target-layer-ids 1,14,27 --no-mtp --head-inputs --max-length 384 --batch-size 8 --shard-size 128 \
     --dtype bfloat16
 
-# 4. the retrofitted MTP head and the DFlash baseline in parallel (one core each), then DMTP on the trained head and
-# DFlash2, then DMTP(D2); all over the same 16,384-token draft vocabulary (reports/smollm2/draft_vocab.md)
-OMP_NUM_THREADS=1 $DMTP train --config configs/smollm2-mtp-head.yaml > $OUT/train-mtp-head.log 2>&1 &
-OMP_NUM_THREADS=1 $DMTP train --config configs/smollm2-dflash.yaml > $OUT/train-dflash.log 2>&1 &
+# 4. training, on two cores as two pipelines (one core each): the retrofitted MTP head, then DFlash2, then DMTP(D2)
+# on the DFlash2 backbone; the DFlash baseline, then DMTP on the trained head (frozen). All over the same 16,384-token
+# draft vocabulary (reports/smollm2/draft_vocab.md). Runs that earlier sessions saved with training_snapshot.sh
+# continue from there.
+bash scripts/reproduce/smollm2/training_snapshot.sh restore
+train() { OMP_NUM_THREADS=1 $DMTP train --config configs/smollm2-$1.yaml >> $OUT/train-$1.log 2>&1; }
+(train mtp-head && train dflash2 && train dmtp-d2) &
+(train dflash && while [ ! -f $OUT/mtp_head/final_mtp_head/config.json ]; do sleep 60; done && train dmtp) &
 wait
-OMP_NUM_THREADS=1 $DMTP train --config configs/smollm2-dmtp.yaml > $OUT/train-dmtp.log 2>&1 &
-OMP_NUM_THREADS=1 $DMTP train --config configs/smollm2-dflash2.yaml > $OUT/train-dflash2.log 2>&1 &
-wait
-$DMTP train --config configs/smollm2-dmtp-d2.yaml > $OUT/train-dmtp-d2.log 2>&1
 
 # 5. bundle (bf16, each under 15 MB) and compare
 $PY scripts/reproduce/bundle_drafts.py --set smollm2

@@ -1,5 +1,8 @@
 """The trainer's checkpoints: atomic ``step-N`` directories (accelerate state + plain exported models), rotation,
-resume, and the final export. A mixin of `Trainer` (it reads the trainer's accelerator, objective and counters)."""
+resume, and the final export. A mixin of `Trainer` (it reads the trainer's accelerator, objective and counters).
+
+`weights_only_checkpoint` copies a checkpoint without its optimizer state, the weights cast to bfloat16: small enough
+to commit, so that a run can span machines whose disks are not kept. The trainer resumes from such a copy too."""
 
 from __future__ import annotations
 
@@ -7,14 +10,25 @@ import json
 import logging
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..modeling import DMTPDraftModel, load_native_mtp
 from ..modeling.io import atomic_directory
 from .models import save_models
 from .mtp_objective import JointObjective
 
-__all__ = ["HARMLESS_CHANGES", "CheckpointMixin", "check_resumed_config"]
+__all__ = [
+    "HARMLESS_CHANGES",
+    "CheckpointMixin",
+    "check_resumed_config",
+    "latest_checkpoint",
+    "weights_only_checkpoint",
+]
 
 logger = logging.getLogger(__name__)
 # Settings a resumed run may change without changing the weights it produces (logging, checkpoints, evaluation).
@@ -37,6 +51,61 @@ def check_resumed_config(saved: dict[str, Any], current: dict[str, Any], directo
         )
     if changed:
         logger.warning("Resuming from %s with changed settings: %s", directory, details)
+
+
+def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
+    """The newest ``step-N`` checkpoint in ``directory`` (a checkpoint root, or a run's ``output_dir``)."""
+    directory = Path(directory)
+    root = directory / "checkpoints" if (directory / "checkpoints").is_dir() else directory
+    found = sorted(root.glob("step-*"))
+    return found[-1] if found else None
+
+
+def weights_only_checkpoint(
+    checkpoint: str | os.PathLike, destination: str | os.PathLike, dtype: torch.dtype = torch.bfloat16
+) -> Path:
+    """Copy a `save_checkpoint` directory (or the newest one of a run's ``output_dir``) into
+    ``destination/step-N``, atomically: ``model/`` and ``mtp_head/`` with floating weights cast to ``dtype``, and
+    ``trainer_state.json``; no optimizer, scheduler or RNG state. A run resumed from it (`load_checkpoint`) keeps
+    its step, schedule and data order and starts fresh AdamW moments."""
+    source = Path(checkpoint)
+    if not (source / "trainer_state.json").is_file():
+        found = latest_checkpoint(source)
+        if found is None:
+            raise FileNotFoundError(f"{checkpoint} is neither a trainer checkpoint nor a run holding one")
+        source = found
+    final = Path(destination) / source.name
+    with atomic_directory(final) as tmp:
+        shutil.copy2(source / "trainer_state.json", tmp / "trainer_state.json")
+        for part in ("model", "mtp_head"):
+            if (source / part).is_dir():
+                shutil.copytree(source / part, tmp / part)
+                _cast_weights(tmp / part, dtype)
+    return final
+
+
+def _cast_weights(directory: Path, dtype: torch.dtype) -> None:
+    """Cast every floating tensor of the ``*.safetensors`` files in ``directory`` to ``dtype``, and the configs'
+    recorded dtype with them."""
+    for file in directory.glob("*.safetensors"):
+        weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in load_file(file).items()}
+        save_file(weights, str(file), metadata={"format": "pt"})
+    for file in directory.glob("*.json"):
+        config = json.loads(file.read_text())
+        if isinstance(config, dict) and ("dtype" in config or "torch_dtype" in config):
+            config.update({k: str(dtype).removeprefix("torch.") for k in ("dtype", "torch_dtype") if k in config})
+            file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _copy_weights(source: torch.nn.Module, destination: torch.nn.Module, what: str) -> None:
+    """Copy ``source``'s parameters and buffers into ``destination`` (same names and shapes), in place."""
+    saved, live = source.state_dict(), destination.state_dict()
+    missing = sorted(set(live) - set(saved))
+    if missing:
+        raise ValueError(f"The weights-only checkpoint's {what} lacks {missing[:5]}: it belongs to another model")
+    with torch.no_grad():
+        for name, tensor in live.items():
+            tensor.copy_(saved[name])
 
 
 class CheckpointMixin:
@@ -81,6 +150,7 @@ class CheckpointMixin:
             "total_steps": self.total_steps,
             "train_seconds": self.train_seconds,
             "last_eval": self.last_eval,
+            "rewarm_from": self.rewarm_from,
             "config": self.config.to_dict(),
         }
 
@@ -129,18 +199,47 @@ class CheckpointMixin:
             return None
         if source != "auto":
             return Path(source)
-        found = sorted(self.checkpoint_root.glob("step-*"))
-        return found[-1] if found else None
+        return latest_checkpoint(self.checkpoint_root)
 
     def load_checkpoint(self, directory: str | os.PathLike) -> None:
         """Restore weights, optimizer, scheduler, RNG and step from a checkpoint written by `save_checkpoint`,
-        after comparing its config with this run's (`check_resumed_config`)."""
+        after comparing its config with this run's (`check_resumed_config`); from a `weights_only_checkpoint`, the
+        weights and the step (`_load_weights_only`)."""
         directory = Path(directory)
         state = json.loads((directory / "trainer_state.json").read_text())
         check_resumed_config(state.get("config") or {}, self.config.to_dict(), directory)
-        self.accelerator.load_state(str(directory / "state"))
         self.step = int(state["step"])
+        self.rewarm_from = state.get("rewarm_from")
+        if (directory / "state").is_dir():
+            self.accelerator.load_state(str(directory / "state"))
+        else:
+            self._load_weights_only(directory)
         self.train_seconds = float(state.get("train_seconds", 0.0))
         self.last_eval = state.get("last_eval")
         if self.accelerator.is_main_process:
             print(f"resumed from {directory} at step {self.step}")
+
+    def _load_weights_only(self, directory: Path) -> None:
+        """Resume from a `weights_only_checkpoint`: the draft and head weights (into the fp32 masters) and the
+        learning-rate schedule at ``self.step``. The data order is a function of the step, so it continues exactly;
+        AdamW's moments start from zero, so the learning rate ramps up again over ``rewarm_steps`` (a first update
+        from one gradient's moments would be as large as the learning rate in every coordinate)."""
+        if self.config.lora:
+            raise ValueError(
+                f"{directory} holds merged weights without the LoRA adapters: resume a LoRA run from a full checkpoint"
+            )
+        if self.config.train_mtp_head != "only":
+            saved = DMTPDraftModel.from_pretrained(directory / "model", target=self.target)
+            _copy_weights(saved, self.draft, "draft")
+        if self.trained_head is not None:
+            saved_head = load_native_mtp(self.target, checkpoint=directory / "mtp_head", dtype=torch.float32,
+                                         hidden_input=self.config.mtp_hidden_input)  # fmt: skip
+            _copy_weights(saved_head, self.trained_head, "MTP head")
+        self.scheduler.last_epoch = self.step - 1
+        with warnings.catch_warnings():  # "step() before optimizer.step()": no step is skipped, the schedule is set
+            warnings.simplefilter("ignore")
+            self.scheduler.step()
+        self.rewarm_from = self.step
+        if self.accelerator.is_main_process:
+            print(f"{directory} holds no optimizer state: fresh AdamW moments, learning rate ramped up again over "
+                  f"{self.config.rewarm_steps} steps")  # fmt: skip

@@ -83,6 +83,7 @@ class TrainConfig:
     save_total_limit: int | None = 3
     resume_from: str | None = "auto"  # auto (latest in output_dir) | a checkpoint directory | None
     allow_config_change: bool = False  # resume even though settings that change the result differ from the run's
+    rewarm_steps: int = 50  # resuming from weights only (fresh AdamW moments): the learning rate ramps up again
     eval_every: int = 500  # steps; 0 = never
     eval_batch_size: int = 4
     log_every: int = 10

@@ -33,7 +33,7 @@ from transformers import get_cosine_schedule_with_warmup
 from ..bundled import resolve_target_path
 from ..modeling import DMTPDraftModel
 from ..modeling.draft_vocab import frequency_ranked_vocabulary, set_draft_vocabulary
-from .checkpoints import CheckpointMixin
+from .checkpoints import CheckpointMixin, weights_only_checkpoint
 from .config import TrainConfig
 from .data import collate, load_dataset_records, synthetic_greedy_dataset
 from .features import FEATURE_KEYS, FeatureExtractor, freeze, load_target
@@ -132,6 +132,7 @@ class Trainer(CheckpointMixin):
         self.history: list[dict[str, float]] = []
         self.train_seconds = 0.0  # wall time of all runs so far (checkpointed, so resumed runs add up)
         self.last_eval: dict[str, float] | None = None
+        self.rewarm_from: int | None = None  # the step a weights-only checkpoint resumed at (`_load_weights_only`)
         self._checked_frozen = False
 
     # ------------------------------------------------------------------------------------------------------------
@@ -334,7 +335,7 @@ class Trainer(CheckpointMixin):
         while self.step < self.total_steps:
             metrics = self.train_step()
             self.step += 1
-            metrics.update(lr=self.scheduler.get_last_lr()[0], step=self.step)
+            metrics["step"] = self.step
             self.history.append(metrics)
             bar.update(1)
             bar.set_postfix(_postfix(metrics))
@@ -381,6 +382,8 @@ class Trainer(CheckpointMixin):
             outputs.append(out)
         self._check_frozen()
         grad_norm = acc.clip_grad_norm_(self.objective.parameters(), config.max_grad_norm)
+        self._rewarm_learning_rate()
+        applied_lr = self.optimizer.param_groups[0]["lr"]  # what this step used (the scheduler then moves on)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -388,7 +391,16 @@ class Trainer(CheckpointMixin):
         objective = self.unwrapped_objective
         metrics = objective.metrics_from_vector(acc.reduce(objective.metric_vector(outputs), reduction="sum"))
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
+        metrics["lr"] = applied_lr
         return metrics
+
+    def _rewarm_learning_rate(self) -> None:
+        """After a weights-only resume, scale the scheduled learning rate by a linear ramp over ``rewarm_steps``."""
+        if self.rewarm_from is None or self.step >= self.rewarm_from + self.config.rewarm_steps:
+            return
+        factor = (self.step - self.rewarm_from + 1) / (self.config.rewarm_steps + 1)
+        for group, scheduled in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+            group["lr"] = scheduled * factor
 
     def _check_frozen(self) -> None:
         """Once, after the first backward: no gradient may reach the target, its embedding/LM head or the MTP head."""
@@ -483,8 +495,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dmtp train", description="Train a DMTP or DFlash draft.")
     parser.add_argument("--config", required=True, help="YAML training config (see configs/)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    parser.add_argument(
+        "--snapshot", metavar="DIR", help="do not train: copy the run's newest checkpoint to DIR/step-N, weights in "
+        "bfloat16 and no optimizer state (small enough to commit; the run resumes from it, see docs/training.md)"
+    )  # fmt: skip
     args = parser.parse_args(argv)
     config = TrainConfig.from_yaml(args.config, args.set)
+    if args.snapshot:
+        print(weights_only_checkpoint(config.output_dir, args.snapshot))
+        return 0
     try:
         Trainer(config).train()
     except TrainingInterrupted as stopped:
