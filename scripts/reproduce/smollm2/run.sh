@@ -29,8 +29,11 @@ SETS="chat magpie" OMP_NUM_THREADS=1 bash scripts/reproduce/smollm2/regenerate.s
 wait
 bash scripts/reproduce/smollm2/regenerate.sh $OUT/target $OUT/prompts $OUT/regenerated
 
-# 3. offline features: the draft's target layers and the hidden the MTP head reads (bf16 on disk)
-$DMTP extract --target $OUT/target --data $OUT/regenerated/train_all.jsonl --output $OUT/features \
+# 3. offline features: the draft's target layers and the hidden the MTP head reads (bf16 on disk); two processes, one
+# core each (they write the same shards as one process: tests/test_scaling.py), resumable shard by shard
+OMP_NUM_THREADS=1 $PY -m accelerate.commands.launch --num_processes 2 --num_machines 1 --mixed_precision no \
+    --dynamo_backend no --multi_gpu -m dmtp_hf.cli extract --target $OUT/target \
+    --data $OUT/regenerated/train_all.jsonl --output $OUT/features \
     --target-layer-ids 1,14,27 --no-mtp --head-inputs --max-length 384 --batch-size 8 --shard-size 128 \
     --dtype bfloat16
 
