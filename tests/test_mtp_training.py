@@ -272,9 +272,11 @@ def test_offline_features_with_head_inputs_resume_and_train_the_head_like_online
     offline = OfflineFeatureDataset(out)
     weights = {}
     for name, data in {"online": greedy_data, "offline": offline}.items():
-        trainer = Trainer(head_config(tmp_path / name, target_dir, max_steps=5, eval_holdout=0), target=target,
-                          train_dataset=data)  # fmt: skip
-        trainer.train()
+        # CE + KL: offline features give the KL term the target's distribution too (the post-norm head input)
+        config = head_config(tmp_path / name, target_dir, max_steps=5, eval_holdout=0, mtp_kl_weight=0.5)
+        trainer = Trainer(config, target=target, train_dataset=data)
+        history = trainer.train()
+        assert all(h["mtp_kl"] > 0 for h in history), name
         weights[name] = head_state(trainer.mtp_head)
     for key, value in weights["online"].items():
         torch.testing.assert_close(weights["offline"][key], value, rtol=1e-5, atol=1e-6)

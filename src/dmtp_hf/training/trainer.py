@@ -279,6 +279,8 @@ class Trainer(CheckpointMixin):
                 raise ValueError("These offline features hold no MTP head inputs: extract them with --head-inputs")
             if self.config.train_mtp_head == "frozen" and self.mtp_head is not None and "mtp_hidden" not in features:
                 features.update(self.extractor.mtp_features(batch["input_ids"], features["head_hidden"]))
+            if self.extractor.final_hidden and "final_hidden" not in features:
+                features["final_hidden"] = self._offline_final_hidden(features)
         else:
             features = self.extractor(batch["input_ids"], batch["attention_mask"])
         inputs = {"input_ids": batch["input_ids"], "loss_mask": batch["loss_mask"], **features}
@@ -292,6 +294,16 @@ class Trainer(CheckpointMixin):
                 self.config.loss_decay_gamma,
             )
         return inputs
+
+    def _offline_final_hidden(self, features: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The post-norm target hidden the head's KL term needs, from offline features: the head's own input when it
+        reads the post-norm hidden (the same tensor); pre-norm head inputs cannot give it."""
+        if self.config.mtp_hidden_input != "post_norm":
+            raise ValueError(
+                "mtp_kl_weight > 0 needs the target's post-norm hidden, which offline features with pre-norm head "
+                "inputs do not hold: set mtp_kl_weight: 0, or train online"
+            )
+        return features["head_hidden"]
 
     def _step_inputs(self, step: int) -> list[dict[str, Any]]:
         scores = anchor_scores(self.config.seed, step, self.schedule.global_batch_size, self.config.max_length)
