@@ -37,14 +37,15 @@ OMP_NUM_THREADS=1 $PY -m accelerate.commands.launch --num_processes 2 --num_mach
     --target-layer-ids 1,14,27 --no-mtp --head-inputs --max-length 384 --batch-size 8 --shard-size 128 \
     --dtype bfloat16
 
-# 4. training, on two cores as two pipelines (one core each): the retrofitted MTP head, then DFlash2, then DMTP(D2)
-# on the DFlash2 backbone; the DFlash baseline, then DMTP on the trained head (frozen). All over the same 16,384-token
+# 4. training, on two cores as two pipelines (one core each): the retrofitted MTP head, then DMTP on it (frozen); the
+# DFlash baseline, then DFlash2, then DMTP(D2) on the DFlash2 backbone and the head. All over the same 16,384-token
 # draft vocabulary (reports/smollm2/draft_vocab.md). Runs that earlier sessions saved with training_snapshot.sh
 # continue from there.
 bash scripts/reproduce/smollm2/training_snapshot.sh restore
 train() { OMP_NUM_THREADS=1 $DMTP train --config configs/smollm2-$1.yaml >> $OUT/train-$1.log 2>&1; }
-(train mtp-head && train dflash2 && train dmtp-d2) &
-(train dflash && while [ ! -f $OUT/mtp_head/final_mtp_head/config.json ]; do sleep 60; done && train dmtp) &
+head_done() { while [ ! -f $OUT/mtp_head/final_mtp_head/config.json ]; do sleep 60; done; }
+(train mtp-head && train dmtp) &
+(train dflash && train dflash2 && head_done && train dmtp-d2) &
 wait
 
 # 5. bundle (bf16, each under 15 MB) and compare
