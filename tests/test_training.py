@@ -682,7 +682,7 @@ def test_bf16_target_trains_fp32_masters_and_exports_in_the_targets_dtype(tmp_pa
 def test_sharded_evaluation_runs_the_same_number_of_forwards_on_every_process():
     """Under FSDP / ZeRO-3 every forward gathers weights from all processes: a process with one batch fewer would
     leave the others waiting forever. Every process runs ceil(batches / P) forwards; the extra ones are dropped."""
-    from dmtp_hf.training.trainer import eval_batches
+    from dmtp_hf.training.schedule import eval_batches
 
     for num_batches, processes in [(3, 2), (5, 4), (1, 3), (4, 2)]:
         plans = [eval_batches(num_batches, processes, rank) for rank in range(processes)]

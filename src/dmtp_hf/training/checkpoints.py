@@ -243,3 +243,11 @@ class CheckpointMixin:
         if self.accelerator.is_main_process:
             print(f"{directory} holds no optimizer state: fresh AdamW moments, learning rate ramped up again over "
                   f"{self.config.rewarm_steps} steps")  # fmt: skip
+
+    def _rewarm_learning_rate(self) -> None:
+        """After a weights-only resume, scale the scheduled learning rate by a linear ramp over ``rewarm_steps``."""
+        if self.rewarm_from is None or self.step >= self.rewarm_from + self.config.rewarm_steps:
+            return
+        factor = (self.step - self.rewarm_from + 1) / (self.config.rewarm_steps + 1)
+        for group, scheduled in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+            group["lr"] = scheduled * factor

@@ -46,6 +46,7 @@ __all__ = [
     "freeze",
     "load_target",
     "main",
+    "offline_final_hidden",
 ]
 
 FEATURE_KEYS = ("context", "mtp_hidden", "mtp_token", "head_hidden")
@@ -305,3 +306,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _target_dir(target: str) -> str:
     """The tokenizer location implied by ``--target``."""
     return resolve_target_path(target)
+
+
+def offline_final_hidden(features: dict[str, torch.Tensor], hidden_input: str) -> torch.Tensor:
+    """The post-norm target hidden ``[B, S, H]`` the head's KL term needs, from offline features: the head's own
+    input when it reads the post-norm hidden (the same tensor); pre-norm head inputs cannot give it."""
+    if hidden_input != "post_norm":
+        raise ValueError(
+            "mtp_kl_weight > 0 needs the target's post-norm hidden, which offline features with pre-norm head "
+            "inputs do not hold: set mtp_kl_weight: 0, or train online"
+        )
+    return features["head_hidden"]

@@ -6,9 +6,11 @@ data-loader state to restore) and a 2-process run equal to a 1-process run with 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-__all__ = ["StepSchedule"]
+__all__ = ["StepSchedule", "eval_batches"]
 
 
 class StepSchedule:
@@ -52,3 +54,12 @@ class StepSchedule:
             row = (m * self.num_processes + self.process_index) * self.micro_batch_size
             out.append((batch[row : row + self.micro_batch_size], row))
         return out
+
+
+def eval_batches(num_batches: int, num_processes: int, process_index: int) -> list[tuple[int, bool]]:
+    """``(batch index, real)`` for one process: batches ``b % P == r``, then dummy repeats of batch 0 (their outputs
+    dropped) so that every process runs the same number of forwards. FSDP and ZeRO-3 gather weights inside every
+    forward: uneven counts would leave a process waiting forever."""
+    per_process = math.ceil(num_batches / num_processes)
+    indices = [i * num_processes + process_index for i in range(per_process)]
+    return [(b, True) if b < num_batches else (0, False) for b in indices]

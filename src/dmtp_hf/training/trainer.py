@@ -36,14 +36,14 @@ from ..modeling.draft_vocab import frequency_ranked_vocabulary, set_draft_vocabu
 from .checkpoints import CheckpointMixin, weights_only_checkpoint
 from .config import TrainConfig
 from .data import collate, load_dataset_records, synthetic_greedy_dataset
-from .features import FEATURE_KEYS, FeatureExtractor, freeze, load_target
+from .features import FEATURE_KEYS, FeatureExtractor, freeze, load_target, offline_final_hidden
 from .interruptions import GracefulStop, TrainingInterrupted
 from .models import build_draft, build_mtp_head, wrap_lora
 from .mtp_objective import JointObjective, MTPHeadObjective, mtp_positions
 from .objective import DMTPTrainingObjective, anchor_scores, plan_blocks
-from .schedule import StepSchedule
+from .schedule import StepSchedule, eval_batches
 
-__all__ = ["StepCallback", "Trainer", "eval_batches", "main"]
+__all__ = ["StepCallback", "Trainer", "main"]
 
 
 StepCallback = Callable[["Trainer", int, dict[str, float]], None]
@@ -280,7 +280,7 @@ class Trainer(CheckpointMixin):
             if self.config.train_mtp_head == "frozen" and self.mtp_head is not None and "mtp_hidden" not in features:
                 features.update(self.extractor.mtp_features(batch["input_ids"], features["head_hidden"]))
             if self.extractor.final_hidden and "final_hidden" not in features:
-                features["final_hidden"] = self._offline_final_hidden(features)
+                features["final_hidden"] = offline_final_hidden(features, self.config.mtp_hidden_input)
         else:
             features = self.extractor(batch["input_ids"], batch["attention_mask"])
         inputs = {"input_ids": batch["input_ids"], "loss_mask": batch["loss_mask"], **features}
@@ -294,16 +294,6 @@ class Trainer(CheckpointMixin):
                 self.config.loss_decay_gamma,
             )
         return inputs
-
-    def _offline_final_hidden(self, features: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The post-norm target hidden the head's KL term needs, from offline features: the head's own input when it
-        reads the post-norm hidden (the same tensor); pre-norm head inputs cannot give it."""
-        if self.config.mtp_hidden_input != "post_norm":
-            raise ValueError(
-                "mtp_kl_weight > 0 needs the target's post-norm hidden, which offline features with pre-norm head "
-                "inputs do not hold: set mtp_kl_weight: 0, or train online"
-            )
-        return features["head_hidden"]
 
     def _step_inputs(self, step: int) -> list[dict[str, Any]]:
         scores = anchor_scores(self.config.seed, step, self.schedule.global_batch_size, self.config.max_length)
@@ -406,14 +396,6 @@ class Trainer(CheckpointMixin):
         metrics["lr"] = applied_lr
         return metrics
 
-    def _rewarm_learning_rate(self) -> None:
-        """After a weights-only resume, scale the scheduled learning rate by a linear ramp over ``rewarm_steps``."""
-        if self.rewarm_from is None or self.step >= self.rewarm_from + self.config.rewarm_steps:
-            return
-        factor = (self.step - self.rewarm_from + 1) / (self.config.rewarm_steps + 1)
-        for group, scheduled in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
-            group["lr"] = scheduled * factor
-
     def _check_frozen(self) -> None:
         """Once, after the first backward: no gradient may reach the target, its embedding/LM head or the MTP head."""
         if self._checked_frozen:
@@ -474,15 +456,6 @@ class Trainer(CheckpointMixin):
             "last_eval": self.last_eval,
             "config": config.to_dict(),
         }
-
-
-def eval_batches(num_batches: int, num_processes: int, process_index: int) -> list[tuple[int, bool]]:
-    """``(batch index, real)`` for one process: batches ``b % P == r``, then dummy repeats of batch 0 (their outputs
-    dropped) so that every process runs the same number of forwards. FSDP and ZeRO-3 gather weights inside every
-    forward: uneven counts would leave a process waiting forever."""
-    per_process = math.ceil(num_batches / num_processes)
-    indices = [i * num_processes + process_index for i in range(per_process)]
-    return [(b, True) if b < num_batches else (0, False) for b in indices]
 
 
 def _postfix(metrics: dict[str, float]) -> dict[str, str]:
