@@ -97,17 +97,6 @@ def _cast_weights(directory: Path, dtype: torch.dtype) -> None:
             file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def _copy_weights(source: torch.nn.Module, destination: torch.nn.Module, what: str) -> None:
-    """Copy ``source``'s parameters and buffers into ``destination`` (same names and shapes), in place."""
-    saved, live = source.state_dict(), destination.state_dict()
-    missing = sorted(set(live) - set(saved))
-    if missing:
-        raise ValueError(f"The weights-only checkpoint's {what} lacks {missing[:5]}: it belongs to another model")
-    with torch.no_grad():
-        for name, tensor in live.items():
-            tensor.copy_(saved[name])
-
-
 class CheckpointMixin:
     """``save_checkpoint`` / ``load_checkpoint`` / ``export`` for `Trainer`.
 
@@ -230,11 +219,11 @@ class CheckpointMixin:
             )
         if self.config.train_mtp_head != "only":
             saved = DMTPDraftModel.from_pretrained(directory / "model", target=self.target)
-            _copy_weights(saved, self.draft, "draft")
+            self.draft.load_state_dict(saved.state_dict())  # in place, into the fp32 masters
         if self.trained_head is not None:
             saved_head = load_native_mtp(self.target, checkpoint=directory / "mtp_head", dtype=torch.float32,
                                          hidden_input=self.config.mtp_hidden_input)  # fmt: skip
-            _copy_weights(saved_head, self.trained_head, "MTP head")
+            self.trained_head.load_state_dict(saved_head.state_dict())
         self.scheduler.last_epoch = self.step - 1
         with warnings.catch_warnings():  # "step() before optimizer.step()": no step is skipped, the schedule is set
             warnings.simplefilter("ignore")

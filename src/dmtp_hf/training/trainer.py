@@ -482,7 +482,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     parser.add_argument(
         "--snapshot", metavar="DIR", help="do not train: copy the run's newest checkpoint to DIR/step-N, weights in "
-        "bfloat16 and no optimizer state (small enough to commit; the run resumes from it, see docs/training.md)"
+        "bfloat16 and no optimizer state (small enough to commit; the run resumes from it, see docs/scaling.md)"
     )  # fmt: skip
     args = parser.parse_args(argv)
     config = TrainConfig.from_yaml(args.config, args.set)
