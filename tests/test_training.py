@@ -20,6 +20,7 @@ from transformers import PreTrainedTokenizerFast
 
 from dmtp_hf import DMTPDraftModel
 from dmtp_hf.modeling import load_native_mtp
+from dmtp_hf.modeling.native_mtp import TargetHiddenExtractor
 from dmtp_hf.testing.tiny_targets import make_tiny_target
 from dmtp_hf.training import (
     ChatRenderer,
@@ -345,6 +346,43 @@ def test_online_and_offline_features_give_the_same_loss(tmp_path, target, mtp_he
         make_config(tmp_path, max_steps=1, train_data=str(tmp_path / "feats"), micro_batch_size=2), target=target
     )
     assert trainer.train()[0]["loss"] > 0
+
+
+def test_the_frozen_head_on_offline_head_inputs_trains_a_draft_like_online_features(tmp_path, target, mtp_head):
+    """Features holding only the head's inputs: the trainer runs the frozen head itself, its guess only at anchors."""
+    extractor = FeatureExtractor(target, [0, 1], mtp_head)
+    # Sequences the head predicts: x_{t+2} is its own guess, so T1 is accepted at every anchor (a misplaced guess
+    # would show in accept_len).
+    samples = random_dataset(6, 2, seed=1).samples
+    with torch.no_grad():
+        for sample in samples:
+            ids = sample["input_ids"][None]
+            while ids.shape[1] < 24:
+                with TargetHiddenExtractor(target, "post_norm") as extract:
+                    hidden = extract(target(input_ids=ids, output_hidden_states=True, use_cache=False))
+                guess = extractor.mtp_features(ids, hidden)["mtp_token"][:, -2:-1]  # g_{n-2}: predicts x_n
+                ids = torch.cat([ids, guess], dim=1)
+            sample.update(input_ids=ids[0], loss_mask=torch.ones(24, dtype=torch.long))
+    data = TokenizedDataset(samples)
+    ids = collate([data[i] for i in range(3)])["input_ids"]
+    with TargetHiddenExtractor(target, "post_norm") as extract:
+        hidden = extract(target(input_ids=ids, output_hidden_states=True, use_cache=False))
+    everywhere = extractor.mtp_features(ids, hidden)["mtp_token"]
+    positions = torch.tensor([[0, 5, 9], [2, 3, 20], [0, 0, 17]])
+    at_anchors = extractor.mtp_features(ids, hidden, token_positions=positions)["mtp_token"]
+    assert torch.equal(at_anchors.gather(1, positions), everywhere.gather(1, positions))
+    assert (at_anchors >= 0).sum() == 8 and (at_anchors.scatter(1, positions, -1) == -1).all()
+
+    head_inputs = FeatureExtractor(target, [0, 1], None, head_inputs=True)
+    extract_features(head_inputs, data, tmp_path / "feats", batch_size=2, shard_size=3, progress=False)
+    histories = {}
+    for name, train_data in {"online": data, "offline": OfflineFeatureDataset(tmp_path / "feats")}.items():
+        config = make_config(tmp_path / name, max_steps=3, micro_batch_size=2)
+        histories[name] = Trainer(config, target=target, train_dataset=train_data).train()
+    assert all(h["accept_len"] > 1.9 for h in histories["online"])  # T1 accepted in (nearly) every block
+    for online, offline in zip(histories["online"], histories["offline"], strict=True):
+        for key in ("loss", "accept_len", "accept_len_tf", "acc_1"):
+            assert offline[key] == pytest.approx(online[key], rel=1e-4, abs=1e-6), key
 
 
 # ----------------------------------------------------------------------------------------------------

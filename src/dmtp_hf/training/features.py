@@ -128,19 +128,29 @@ class FeatureExtractor:
         return features
 
     @torch.no_grad()
-    def mtp_features(self, input_ids: torch.Tensor, last_hidden: torch.Tensor) -> dict[str, torch.Tensor]:
+    def mtp_features(
+        self, input_ids: torch.Tensor, last_hidden: torch.Tensor, token_positions: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
         """``mtp_hidden`` ``[B, S, H]`` and ``mtp_token`` ``[B, S]`` of the frozen head from the hidden it reads.
 
         Teacher-forced MTP pass: pair t = (x_{t+1}, h_t) at position t gives g_t (predicts x_{t+2}). The head is
-        causal and the batch right-padded, so padding never reaches a real position.
+        causal and the batch right-padded, so padding never reaches a real position. ``token_positions`` ``[B, N]``
+        limits ``mtp_token`` to the positions the acceptance metric reads (the blocks' ``anchor - 1``; -1
+        elsewhere): the LM head then runs on N rows instead of S, most of a frozen-head training step's cost.
         """
         bsz, seq_len = input_ids.shape
         positions = torch.arange(seq_len - 1, device=input_ids.device).expand(bsz, -1)
         g = self.mtp_head(input_ids[:, 1:], last_hidden[:, :-1], positions)  # [B, S-1, H]
         mtp_hidden = torch.cat([g, g.new_zeros(bsz, 1, g.shape[-1])], dim=1)  # [B, S, H]
-        mtp_token = torch.cat(
-            [self.mtp_head.logits(chunk).argmax(dim=-1) for chunk in mtp_hidden.split(self.token_chunk, dim=1)], dim=1
-        )
+        if token_positions is None:
+            mtp_token = torch.cat(
+                [self.mtp_head.logits(chunk).argmax(dim=-1) for chunk in mtp_hidden.split(self.token_chunk, dim=1)],
+                dim=1,
+            )
+        else:
+            index = token_positions[..., None].expand(-1, -1, mtp_hidden.shape[-1])
+            guesses = self.mtp_head.logits(mtp_hidden.gather(1, index)).argmax(dim=-1)  # [B, N]
+            mtp_token = input_ids.new_full((bsz, seq_len), -1).scatter(1, token_positions, guesses)
         return {"mtp_hidden": mtp_hidden, "mtp_token": mtp_token}
 
 

@@ -277,15 +277,13 @@ class Trainer(CheckpointMixin):
             )
             if needs_head_inputs and "head_hidden" not in features:
                 raise ValueError("These offline features hold no MTP head inputs: extract them with --head-inputs")
-            if self.config.train_mtp_head == "frozen" and self.mtp_head is not None and "mtp_hidden" not in features:
-                features.update(self.extractor.mtp_features(batch["input_ids"], features["head_hidden"]))
             if self.extractor.final_hidden and "final_hidden" not in features:
                 features["final_hidden"] = offline_final_hidden(features, self.config.mtp_hidden_input)
         else:
             features = self.extractor(batch["input_ids"], batch["attention_mask"])
         inputs = {"input_ids": batch["input_ids"], "loss_mask": batch["loss_mask"], **features}
         if self.config.train_mtp_head != "only":
-            inputs["plan"] = plan_blocks(
+            inputs["plan"] = plan = plan_blocks(
                 batch["input_ids"],
                 batch["loss_mask"],
                 scores.to(device),
@@ -293,6 +291,11 @@ class Trainer(CheckpointMixin):
                 self.config.num_anchors,
                 self.config.loss_decay_gamma,
             )
+            if self.config.train_mtp_head == "frozen" and self.mtp_head is not None and "mtp_hidden" not in features:
+                # offline features without the head's outputs: the frozen head runs here, its guess only at anchors
+                inputs.update(self.extractor.mtp_features(
+                    batch["input_ids"], features["head_hidden"], token_positions=(plan.anchors - 1).clamp(min=0)
+                ))  # fmt: skip
         return inputs
 
     def _step_inputs(self, step: int) -> list[dict[str, Any]]:
