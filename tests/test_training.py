@@ -20,7 +20,6 @@ from transformers import PreTrainedTokenizerFast
 
 from dmtp_hf import DMTPDraftModel
 from dmtp_hf.modeling import load_native_mtp
-from dmtp_hf.modeling.native_mtp import TargetHiddenExtractor
 from dmtp_hf.testing.tiny_targets import make_tiny_target
 from dmtp_hf.training import (
     ChatRenderer,
@@ -351,6 +350,7 @@ def test_online_and_offline_features_give_the_same_loss(tmp_path, target, mtp_he
 def test_the_frozen_head_on_offline_head_inputs_trains_a_draft_like_online_features(tmp_path, target, mtp_head):
     """Features holding only the head's inputs: the trainer runs the frozen head itself, its guess only at anchors."""
     extractor = FeatureExtractor(target, [0, 1], mtp_head)
+    head_inputs = FeatureExtractor(target, [0, 1], None, head_inputs=True)  # what `dmtp extract --head-inputs` writes
     # Sequences the head predicts: x_{t+2} is its own guess, so T1 is accepted at every anchor (a misplaced guess
     # would show in accept_len).
     samples = random_dataset(6, 2, seed=1).samples
@@ -358,22 +358,19 @@ def test_the_frozen_head_on_offline_head_inputs_trains_a_draft_like_online_featu
         for sample in samples:
             ids = sample["input_ids"][None]
             while ids.shape[1] < 24:
-                with TargetHiddenExtractor(target, "post_norm") as extract:
-                    hidden = extract(target(input_ids=ids, output_hidden_states=True, use_cache=False))
+                hidden = head_inputs(ids)["head_hidden"]
                 guess = extractor.mtp_features(ids, hidden)["mtp_token"][:, -2:-1]  # g_{n-2}: predicts x_n
                 ids = torch.cat([ids, guess], dim=1)
             sample.update(input_ids=ids[0], loss_mask=torch.ones(24, dtype=torch.long))
     data = TokenizedDataset(samples)
     ids = collate([data[i] for i in range(3)])["input_ids"]
-    with TargetHiddenExtractor(target, "post_norm") as extract:
-        hidden = extract(target(input_ids=ids, output_hidden_states=True, use_cache=False))
+    hidden = head_inputs(ids)["head_hidden"]
     everywhere = extractor.mtp_features(ids, hidden)["mtp_token"]
     positions = torch.tensor([[0, 5, 9], [2, 3, 20], [0, 0, 17]])
     at_anchors = extractor.mtp_features(ids, hidden, token_positions=positions)["mtp_token"]
     assert torch.equal(at_anchors.gather(1, positions), everywhere.gather(1, positions))
     assert (at_anchors >= 0).sum() == 8 and (at_anchors.scatter(1, positions, -1) == -1).all()
 
-    head_inputs = FeatureExtractor(target, [0, 1], None, head_inputs=True)
     extract_features(head_inputs, data, tmp_path / "feats", batch_size=2, shard_size=3, progress=False)
     histories = {}
     for name, train_data in {"online": data, "offline": OfflineFeatureDataset(tmp_path / "feats")}.items():
