@@ -45,6 +45,12 @@ class Bundle:
     dmtp_variants: list[str]
     heads: dict[str, Path] = field(default_factory=dict)
     datasets: list[str] = field(default_factory=lambda: ["mt_bench"])  # bundled sets next to the held-out files
+    # the blog's section 8 columns: (column name, method label); the table is shown when every label was run
+    blog_columns: list[tuple[str, str]] = field(default_factory=lambda: list(BLOG_COLUMNS))
+    # dmtp bench runs, one per group of workloads: (name, bundled sets, held-out prompt files)
+    bench_groups: list[tuple[str, list[str], list[str]]] = field(
+        default_factory=lambda: [("MT-Bench and held-out code", ["mt_bench"], ["held-out-code"])]
+    )
 
 
 def bundle(name: str) -> Bundle:
@@ -63,11 +69,23 @@ def bundle(name: str) -> Bundle:
             models=["--bundle", "smollm2"],
             # fixed K, then the adaptive width of the two block drafters (compare tau only at a fixed width)
             methods=[*methods, "dmtp:auto", "dflash:auto"],
-            bench_methods=["dmtp", "dmtp:auto", "dflash", "mtp1"],
+            bench_methods=["dmtp", "dmtp:auto", "dflash", "mtp1", *(list(d2) if "dmtp-d2" in variants else [])],
             drafts=drafts,
             dmtp_variants=variants,
             heads={"retrofitted MTP head": folder / "mtp_head"},
             datasets=["gsm8k", "humaneval", "mt_bench", "alpaca"],  # the blog's section 8 sets
+            blog_columns=[
+                ("MTP-4", "mtp4"),
+                ("DFlash", "dflash"),
+                ("DMTP(D)", "dmtp"),
+                ("DFlash2", "dflash2"),
+                ("DMTP(D2)", "dmtp-d2"),
+            ],  # fmt: skip
+            # speedup per workload at every batch size: the math/code goal and the chat goal
+            bench_groups=[
+                ("GSM8K and HumanEval", ["gsm8k", "humaneval"], []),
+                ("MT-Bench, Alpaca and held-out chat", ["mt_bench", "alpaca"], ["held-out-chat"]),
+            ],  # fmt: skip
         )
     drafts = {"dmtp": MODELS / "dmtp", "dflash": MODELS / "dflash", "dmtp-from-dflash": MODELS / "dmtp_from_dflash"}
     models = [
@@ -158,19 +176,38 @@ def run_eval(args, out: Path) -> dict:
     return json.loads((out / "eval.json").read_text())
 
 
-def run_bench(args, out: Path) -> dict:
-    """Throughput of plain generate, DMTP, DFlash and MTP-1 at batch sizes 1, 2, 4, 8."""
-    command = _dmtp(
-        "bench", *args.bundle.models,
-        "--strategies", ",".join(args.bundle.bench_methods),
-        "--datasets", "mt_bench", "--prompts", str(named_prompts(out) / "held-out-code.jsonl"),
-        "--limit", str(args.bench_limit), "--max-new-tokens", str(args.max_new_tokens),
-        "--batch-sizes", args.batch_sizes, "--no-progress", "--output-dir", str(out),
-    )  # fmt: skip
+def _bench_folder(out: Path, groups: list, index: int) -> Path:
+    """Where a bench group writes: the report folder itself for a single group, else ``bench-<n>/``."""
+    return out if len(groups) == 1 else out / f"bench-{index + 1}"
+
+
+def run_bench(args, out: Path) -> dict[str, dict]:
+    """Throughput of plain generate and the bundle's methods at each batch size, one ``dmtp bench`` per workload
+    group; returns group name -> bench.json."""
+    named, groups, results = named_prompts(out), args.bundle.bench_groups, {}
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "OMP_WAIT_POLICY": "PASSIVE"}
-    with open(out / "bench.log", "w") as log:
-        subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT, env=env)
-    return json.loads((out / "bench.json").read_text())
+    for index, (name, datasets, prompt_files) in enumerate(groups):
+        folder = _bench_folder(out, groups, index)
+        folder.mkdir(parents=True, exist_ok=True)
+        prompts = [arg for f in prompt_files for arg in ("--prompts", str(named / f"{f}.jsonl"))]
+        command = _dmtp(
+            "bench", *args.bundle.models,
+            "--strategies", ",".join(args.bundle.bench_methods),
+            "--datasets", ",".join(datasets) or "none", *prompts,
+            "--limit", str(args.bench_limit), "--max-new-tokens", str(args.max_new_tokens),
+            "--batch-sizes", args.batch_sizes, "--no-progress", "--output-dir", str(folder),
+        )  # fmt: skip
+        with open(folder / "bench.log", "w") as log:
+            subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT, env=env)
+        results[name] = json.loads((folder / "bench.json").read_text())
+    return results
+
+
+def saved_bench(args, out: Path) -> dict[str, dict]:
+    """The bench results a previous run saved (``--report-only``), group name -> bench.json."""
+    groups = args.bundle.bench_groups
+    found = {name: _bench_folder(out, groups, i) / "bench.json" for i, (name, *_) in enumerate(groups)}
+    return {name: json.loads(path.read_text()) for name, path in found.items() if path.is_file()}
 
 
 def parameter_counts(spec: Bundle) -> dict[str, int]:
@@ -346,7 +383,7 @@ BLOG_COLUMNS = [("MTP-4", "mtp4@tuned"), ("DFlash", "dflash"), ("DMTP(D)", "dmtp
                 ("DMTP(D2)", "dmtp-d2")]  # fmt: skip
 
 
-def _blog_table(evaluation: dict, rows: list[tuple]) -> list[str]:
+def _blog_table(evaluation: dict, rows: list[tuple], columns: list[tuple[str, str]]) -> list[str]:
     """The DMTP blog's §8 layout: the five columns, the two DMTP gains, first-candidate acceptance, speedups."""
     tau = "acceptance_length_per_request"
     lines = [
@@ -354,33 +391,34 @@ def _blog_table(evaluation: dict, rows: list[tuple]) -> list[str]:
         "### The blog's open-weight table (§8 layout)",
         "",
         "τ per request; gains of DMTP(D) over DFlash and of DMTP(D2) over DFlash2; first-candidate acceptance and "
-        "wall-clock speedup over plain `generate` per column (MTP-4 and both DMTP drafts on the tuned MTP head).",
+        "wall-clock speedup over plain `generate` per column (MTP-4 and both DMTP drafts on the same MTP head: "
+        f"{', '.join(f'{n} = {label}' for n, label in columns)}).",
         "",
-        "| Workload | " + " | ".join(f"τ {name}" for name, _ in BLOG_COLUMNS)
-        + " | DMTP(D) vs DFlash | DMTP(D2) vs DFlash2 | first-cand. " + " / ".join(n for n, _ in BLOG_COLUMNS)
-        + " | speedup " + " / ".join(n for n, _ in BLOG_COLUMNS) + " |",
-        "| --- " * (len(BLOG_COLUMNS) + 5) + "|",
+        "| Workload | " + " | ".join(f"τ {name}" for name, _ in columns)
+        + " | DMTP(D) vs DFlash | DMTP(D2) vs DFlash2 | first-cand. " + " / ".join(n for n, _ in columns)
+        + " | speedup " + " / ".join(n for n, _ in columns) + " |",
+        "| --- " * (len(columns) + 5) + "|",
     ]  # fmt: skip
     for key, display, *_ in [*rows, ("overall", "All")]:
         entries = evaluation["overall"] if key == "overall" else evaluation["results"][key]
-        e = {name: entries[label] for name, label in BLOG_COLUMNS}
+        e = {name: entries[label] for name, label in columns}
         gain = [100 * (e[a][tau] / e[b][tau] - 1) for a, b in (("DMTP(D)", "DFlash"), ("DMTP(D2)", "DFlash2"))]
-        firsts = " / ".join(f"{100 * e[n]['first_candidate_acceptance']:.1f}%" for n, _ in BLOG_COLUMNS)
-        speeds = " / ".join(f"{_f(e[n].get('speedup'))}×" for n, _ in BLOG_COLUMNS)
+        firsts = " / ".join(f"{100 * e[n]['first_candidate_acceptance']:.1f}%" for n, _ in columns)
+        speeds = " / ".join(f"{_f(e[n].get('speedup'))}×" for n, _ in columns)
         lines.append(
-            f"| {display} | " + " | ".join(_f(e[n][tau]) for n, _ in BLOG_COLUMNS)
+            f"| {display} | " + " | ".join(_f(e[n][tau]) for n, _ in columns)
             + f" | {gain[0]:+.1f}% | {gain[1]:+.1f}% | {firsts} | {speeds} |"
         )  # fmt: skip
     return lines
 
 
-def _bench_table(bench: dict) -> list[str]:
+def _bench_table(name: str, bench: dict, folder: str) -> list[str]:
     sizes = bench["settings"]["batch_sizes"]
     lines = [
-        "## Throughput vs batch size (`dmtp bench`)",
+        f"## Throughput vs batch size (`dmtp bench`): {name}",
         "",
-        f"First turns of MT-Bench and held-out code, {bench['settings'].get('num_prompts', '')} prompts, output "
-        "tokens / wall time of the workload (prefill included), ratio to plain `generate` at the same batch size.",
+        f"First turns, {bench['settings'].get('num_prompts', '')} prompts, output tokens / wall time of the "
+        "workload (prefill included), ratio to plain `generate` at the same batch size.",
         "",
         "| Method | " + " | ".join(f"B={b}" for b in sizes) + " |",
         "| --- | " + " | ".join("---" for _ in sizes) + " |",
@@ -392,27 +430,33 @@ def _bench_table(bench: dict) -> list[str]:
             cells.append("—" if not m else f"{m['tokens_per_second']:.1f} tok/s ({m['speedup']:.2f}×)")
         note = f" ({method['skipped']})" if method.get("skipped") else ""
         lines.append(f"| {method['name']}{note} | " + " | ".join(cells) + " |")
-    return [*lines, "", "![throughput](throughput.png)", ""]
+    return [*lines, "", f"![throughput]({folder}throughput.png)", ""]
 
 
-def summary_markdown(evaluation: dict, bench: dict | None, counts: dict[str, int], budget: dict, args) -> str:
+def summary_markdown(
+    evaluation: dict, bench: dict[str, dict] | None, counts: dict[str, int], budget: dict, args
+) -> str:
     """The report page: models and budgets, one table per workload, DMTP vs DFlash, findings, plots, throughput."""
     rows = [(d["name"], d["display_name"], d["num_prompts"], d["num_turns"]) for d in evaluation["datasets"]]
     lines = _header(evaluation, counts, args) + _budget_table(budget) + _summary_table(evaluation, rows)
     lines += _versus_dflash(evaluation, rows, args.bundle.dmtp_variants)
     labels = {s["label"] for s in evaluation["strategies"]}
-    if {"dflash2", "dmtp-d2", "dmtp-tuned", "mtp4@tuned"} <= labels:
-        lines += _blog_table(evaluation, rows)
+    if {label for _, label in args.bundle.blog_columns} <= labels:
+        lines += _blog_table(evaluation, rows, args.bundle.blog_columns)
     if args.analysis.is_file():
         lines += ["", "## Findings", "", args.analysis.read_text().strip()]
     lines += ["", "![acceptance length](acceptance_length.png)", "",
               "![cumulative position-wise acceptance](position_acceptance.png)", "",
               "![acceptance histogram](acceptance_histogram.png)", ""]  # fmt: skip
-    if bench is not None:
-        lines += _bench_table(bench)
+    groups = [name for name, *_ in args.bundle.bench_groups]
+    folders = {name: "" if len(groups) == 1 else f"bench-{i + 1}/" for i, name in enumerate(groups)}
+    for name, result in (bench or {}).items():
+        lines += _bench_table(name, result, folders[name])
     lines += [
         "Full tables (per-verify τ, conditional acceptance, per-dataset counts): [eval.md](eval.md); raw data: "
-        "[eval.json](eval.json)" + (", [bench.json](bench.json)." if bench is not None else "."),
+        "[eval.json](eval.json)"
+        + "".join(f", [{f}bench.json]({f}bench.json)" for f in map(folders.get, bench or {}))
+        + ".",
         "",
     ]
     return "\n".join(lines)
@@ -447,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     if args.report_only:
         evaluation = json.loads((out / "eval.json").read_text())
-        bench = json.loads((out / "bench.json").read_text()) if (out / "bench.json").is_file() else None
+        bench = saved_bench(args, out)
     else:
         for needed in ("code_question.jsonl", "chat_question.jsonl"):
             if not (BENCH / needed).is_file():
