@@ -314,6 +314,34 @@ def test_masks_strict_context_and_flex_equals_sdpa(target, mtp_head):
     assert torch.equal(evaluated, masks[:, 0])
 
 
+def test_extraction_batches_by_length_and_keeps_dataset_order(tmp_path, target, mtp_head):
+    """Batches are formed from samples of similar length (less padding); shards still hold samples in dataset order,
+    each with the features it has when extracted alone."""
+    data = random_dataset(7, 24, seed=3)
+    for i, n in enumerate([24, 5, 19, 7, 24, 11, 6]):
+        data.samples[i] = {k: v[:n] for k, v in data.samples[i].items()}
+    extractor = FeatureExtractor(target, [0, 1], mtp_head)
+    calls = []
+    real_call = FeatureExtractor.__call__
+
+    def recording(self, input_ids, attention_mask=None):
+        calls.append(input_ids.shape[1])
+        return real_call(self, input_ids, attention_mask)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(FeatureExtractor, "__call__", recording)
+        extract_features(extractor, data, tmp_path / "feats", batch_size=2, shard_size=7, progress=False)
+    assert calls == [6, 11, 24, 24]  # sorted: (5, 6), (7, 11), (19, 24), (24,); in dataset order: 24, 19, 24, 24
+    offline = OfflineFeatureDataset(tmp_path / "feats")
+    for i in range(len(data)):
+        alone = extractor(data[i]["input_ids"][None], torch.ones(1, len(data[i]["input_ids"]), dtype=torch.long))
+        assert torch.equal(offline[i]["input_ids"], data[i]["input_ids"])
+        torch.testing.assert_close(offline[i]["context"], alone["context"][0], rtol=1e-4, atol=1e-5)
+        # the head's pair at the last position reads the next token, padding in a batch: it predicts nothing
+        torch.testing.assert_close(offline[i]["mtp_hidden"][:-1], alone["mtp_hidden"][0, :-1], rtol=1e-4, atol=1e-5)
+        assert torch.equal(offline[i]["mtp_token"][:-1], alone["mtp_token"][0, :-1])
+
+
 def test_online_and_offline_features_give_the_same_loss(tmp_path, target, mtp_head):
     data = random_dataset(5, 24)
     data.samples[1] = {k: v[:17] for k, v in data.samples[1].items()}  # ragged lengths: padding in batches

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -155,22 +155,35 @@ class FeatureExtractor:
 
 
 def _batched_features(
-    extractor: FeatureExtractor, dataset: Sequence[dict[str, torch.Tensor]], batch_size: int, progress: bool
+    extractor: FeatureExtractor,
+    dataset: Sequence[dict[str, torch.Tensor]],
+    batch_size: int,
+    progress: bool,
+    on_batch: Callable[[int], object] | None = None,
 ):
-    """Yield ``{input_ids, loss_mask, <features>}`` per sample (unpadded, on CPU), computing features in batches."""
+    """Yield ``{input_ids, loss_mask, <features>}`` per sample (unpadded, on CPU, in dataset order), computing
+    features in batches of similar length: padding to the longest of eight random samples costs a third more target
+    compute on regenerated chats (lengths 20-384), sorted batches about 4 %."""
     device = next(extractor.target.parameters()).device
+    order = sorted(range(len(dataset)), key=lambda i: len(dataset[i]["input_ids"]))
+    done: dict[int, dict[str, torch.Tensor]] = {}
     bar = tqdm(total=len(dataset), desc="features", disable=not progress)
-    for start in range(0, len(dataset), batch_size):
-        samples = [dataset[i] for i in range(start, min(start + batch_size, len(dataset)))]
+    for start in range(0, len(order), batch_size):
+        indices = order[start : start + batch_size]
+        samples = [dataset[i] for i in indices]
         batch = collate(samples)
         features = extractor(batch["input_ids"].to(device), batch["attention_mask"].to(device))
-        for row, sample in enumerate(samples):
+        for row, (index, sample) in enumerate(zip(indices, samples, strict=True)):
             n = len(sample["input_ids"])
             item = {"input_ids": sample["input_ids"].long(), "loss_mask": sample["loss_mask"].long()}
             item.update({key: value[row, :n].cpu() for key, value in features.items()})
-            yield item
+            done[index] = item
         bar.update(len(samples))
+        if on_batch is not None:
+            on_batch(len(samples))
     bar.close()
+    for index in range(len(dataset)):
+        yield done.pop(index)
 
 
 def precompute_features(
@@ -223,11 +236,11 @@ def extract_features(
     for k in mine:
         indices = range(k * shard_size, min((k + 1) * shard_size, len(dataset)))
         items = []
-        for item in _batched_features(extractor, [dataset[i] for i in indices], batch_size, progress=False):
+        shard = [dataset[i] for i in indices]
+        for item in _batched_features(extractor, shard, batch_size, progress=False, on_batch=bar.update):
             items.append(
                 {n: v.to(dtype) if dtype is not None and v.is_floating_point() else v for n, v in item.items()}
             )
-            bar.update(1)
         lengths = torch.tensor([len(s["input_ids"]) for s in items])
         tensors = {key: torch.cat([s[key] for s in items]).contiguous() for key in items[0]}
         tensors["offsets"] = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
