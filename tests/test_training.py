@@ -719,6 +719,12 @@ def test_resume_refuses_changed_settings_unless_allowed(tmp_path, target):
                       train_dataset=data)  # fmt: skip
     trainer.train()
     assert trainer.step == 4 and trainer.history[0]["step"] == 3
+    # LM-head chunking only trades memory for speed: a run resumes with another chunk size as it is
+    chunked = Trainer(make_config(tmp_path, **dict(longer, max_steps=6), allow_config_change=True), target=target,
+                      train_dataset=data)  # fmt: skip
+    chunked.train()  # saved: max_steps 6 (allowed once), now only the chunking differs
+    Trainer(make_config(tmp_path, **dict(longer, max_steps=6), logits_chunk_size=5), target=target,
+            train_dataset=data).train()  # fmt: skip
 
 
 def test_bf16_target_trains_fp32_masters_and_exports_in_the_targets_dtype(tmp_path, target_dir):

@@ -31,10 +31,11 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-# Settings a resumed run may change without changing the weights it produces (logging, checkpoints, evaluation).
+# Settings a resumed run may change without changing the weights it produces (logging, checkpoints, evaluation, and
+# the LM-head chunking, a memory/speed trade: tests/test_training.py trains the same weights either way).
 HARMLESS_CHANGES = frozenset(
     {"log_every", "report_to", "eval_every", "eval_batch_size", "save_every", "save_total_limit", "resume_from",
-     "output_dir", "allow_config_change"}
+     "output_dir", "allow_config_change", "logits_chunk_size"}
 )  # fmt: skip
 
 
