@@ -485,6 +485,13 @@ def test_target_without_mtp_head_is_refused(tmp_path):
         load_native_mtp(load_tiny_target(path))
 
 
+def test_missing_local_head_folder_is_named(tmp_path):
+    """A head path that does not exist (a head not trained yet) reads as a missing folder, not a bad Hub repo id."""
+    target = load_tiny_target(make_tiny_target("qwen3_next", tmp_path / "target"))
+    with pytest.raises(FileNotFoundError, match="No checkpoint directory at 'outputs/no/final_mtp_head'"):
+        load_native_mtp(target, checkpoint="outputs/no/final_mtp_head")
+
+
 def test_unsupported_family_is_named(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
 
+from ..configuration_dmtp import require_local_directory
 from ..draft_vocab import DRAFT_VOCAB_TENSORS
 from ..io import check_finite
 from .fp8 import dequantize_fp8_state_dict
@@ -251,6 +252,7 @@ def load_native_mtp(
     checkpoint = checkpoint or getattr(target.config, "_name_or_path", None) or getattr(target, "name_or_path", None)
     if not checkpoint:
         raise FileNotFoundError("The target does not record where it was loaded from: pass `checkpoint=`")
+    require_local_directory(checkpoint)  # a missing local folder, not "invalid Hub repo id"
     checkpoint_config = _read_checkpoint_config(checkpoint)
     checkpoint_text_config = (checkpoint_config or {}).get("text_config")
     text_config = target.config.get_text_config(decoder=True)
