@@ -5,6 +5,7 @@
     python scripts/reproduce/bundle_drafts.py --set d2        # the DFlash2 and DMTP(D2) drafts
     python scripts/reproduce/bundle_drafts.py --set smollm2   # outputs/smollm2/{mtp_head,dflash,dmtp} -> models/smollm2
     python scripts/reproduce/bundle_drafts.py --set smollm2-d2  # outputs/smollm2/{dflash2,dmtp_d2} -> models/smollm2
+    python scripts/reproduce/bundle_drafts.py --set smollm2-d2 --only dflash2  # one folder of a set
 
 Each bundled folder holds ``config.json``, ``model.safetensors`` and ``training.json`` (steps, samples, CPU time,
 last held-out metrics, the full training config), which the comparison report quotes. The bundled drafts stay fp32
@@ -86,8 +87,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--set", dest="name", default="drafts", choices=sorted(SETS))
     parser.add_argument("--models", type=Path, default=REPO / "src" / "dmtp_hf" / "bundled" / "models")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="only these folders of the set (e.g. dflash2)")
     args = parser.parse_args(argv)
-    for source, folder, kind in SETS[args.name]:
+    entries = SETS[args.name]
+    if args.only:
+        entries = [entry for entry in entries if Path(entry[1]).name in args.only]
+        if not entries:
+            raise SystemExit(
+                f"--only {args.only}: the set {args.name} has {[Path(e[1]).name for e in SETS[args.name]]}"
+            )
+    for source, folder, kind in entries:
         missing = [name for name in FILES[:2] if not (source / name).is_file()]
         if missing:
             raise SystemExit(f"{source} lacks {missing}: train it first (scripts/reproduce/README.md)")

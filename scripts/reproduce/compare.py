@@ -59,17 +59,18 @@ def bundle(name: str) -> Bundle:
         folder = MODELS / "smollm2"
         drafts = {"dmtp": folder / "dmtp", "dflash": folder / "dflash"}
         methods, variants = ["mtp1", "mtp4", "dflash", "dmtp"], ["dmtp"]
-        d2 = {"dflash2": folder / "dflash2", "dmtp-d2": folder / "dmtp_d2"}  # once trained (the bundle lists them)
-        if all((path / "config.json").is_file() for path in d2.values()):
-            drafts.update(d2)
-            methods += list(d2)
-            variants.append("dmtp-d2")
+        # the DFlash2 backbone and DMTP(D2) on it, each once trained and bundled
+        d2 = {"dflash2": folder / "dflash2", "dmtp-d2": folder / "dmtp_d2"}
+        d2 = {name: path for name, path in d2.items() if (path / "config.json").is_file()}
+        drafts.update(d2)
+        methods += list(d2)
+        variants += [name for name in d2 if name == "dmtp-d2"]
         return Bundle(
             title="SmolLM2-135M-Instruct (a real pretrained target) with a retrofitted MTP head",
             models=["--bundle", "smollm2"],
             # fixed K, then the adaptive width of the two block drafters (compare tau only at a fixed width)
             methods=[*methods, "dmtp:auto", "dflash:auto"],
-            bench_methods=["dmtp", "dmtp:auto", "dflash", "mtp1", *(list(d2) if "dmtp-d2" in variants else [])],
+            bench_methods=["dmtp", "dmtp:auto", "dflash", "mtp1", *d2],
             drafts=drafts,
             dmtp_variants=variants,
             heads={"retrofitted MTP head": folder / "mtp_head"},
