@@ -319,18 +319,23 @@ def test_committed_smollm2_bundle_is_complete_small_and_built_for_smollm2() -> N
     from dmtp_hf import DMTPDraftModel
 
     layouts = {}
-    for name in ("dmtp", "dflash", "mtp_head"):
+    names = ["dmtp", "dflash", "mtp_head"] + [n for n in ("dflash2", "dmtp_d2") if (bundled.SMOLLM2_DIR / n).is_dir()]
+    for name in names:
         folder = bundled.SMOLLM2_DIR / name
         weights = folder / "model.safetensors"
         assert weights.stat().st_size <= 15 * 2**20, name
         with safe_open(str(weights), "pt") as f:
-            assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}, name  # noqa: SIM118
-        assert json.loads((folder / "training.json").read_text())["steps"] == 300, name
+            dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}  # noqa: SIM118
+        # floats in bfloat16; the draft vocabulary's d2t (int64 offsets) and t2d (bool mask) as EAGLE-3 stores them
+        assert {d for k, d in dtypes.items() if not k.endswith(("d2t", "t2d"))} == {"BF16"}, name
+        assert {d for k, d in dtypes.items() if k.endswith(("d2t", "t2d"))} <= {"I64", "BOOL"}, name
+        assert json.loads((folder / "training.json").read_text())["steps"] == 2400, name
         if name != "mtp_head":
             config = DMTPDraftModel.from_pretrained(folder).config  # strict: every tensor present and shaped
             assert config.hidden_size == 576 and config.target_layer_ids == [1, 14, 27], name
+            assert config.draft_vocab_size == 16384, name
             layouts[name] = config.anchor_layout
-    assert layouts == {"dmtp": "dual", "dflash": "dflash"}
+    assert {k: layouts[k] for k in ("dmtp", "dflash")} == {"dmtp": "dual", "dflash": "dflash"}
     head = json.loads((bundled.SMOLLM2_DIR / "mtp_head" / "config.json").read_text())["dmtp_mtp_head"]
     assert (head["layout"], head["target_model_type"], head["num_hidden_layers"], head["hidden_size"]) == (
         "retrofit",
