@@ -320,6 +320,13 @@ def test_eval_report_only_merges_split_runs(eval_run, tmp_path, capsys):
         part["baseline"] = {n: data["baseline"][n] for n in chunk}
         part["outputs_identical"] = {n: data["outputs_identical"][n] for n in chunk}
         part["overall"] = "stale"  # recomputed from the per-dataset entries
+        # each process times the target for `auto` itself: a measurement, not a setting (part 1 as older files
+        # wrote it, under settings)
+        if parts:
+            part["settings"] = {**data["settings"], "auto_cost_measure_seconds": 2.5}
+            del part["auto_cost_measure_seconds"]
+        else:
+            part["auto_cost_measure_seconds"] = 1.25
         path = tmp_path / f"part{len(parts)}.json"
         path.write_text(json.dumps(part))
         parts.append(path)
@@ -331,9 +338,16 @@ def test_eval_report_only_merges_split_runs(eval_run, tmp_path, capsys):
         for key in ("hist", "acceptance_length_per_verify", "acceptance_length_per_request", "speedup"):
             assert merged["overall"][label][key] == pytest.approx(entry[key]), (label, key)
     assert (merged_dir / "eval.md").read_text() == (out / "eval.md").read_text()
+    assert merged["auto_cost_measure_seconds"] == pytest.approx(3.75)
+    assert "auto_cost_measure_seconds" not in merged["settings"] and merged["settings"] == data["settings"]
     # overlapping or mismatched parts are refused with a one-line error
     assert main(["eval", "--report-only", str(parts[0]), str(parts[0]), "--output-dir", str(merged_dir)]) == 2
     assert "appears in more than one file" in capsys.readouterr().err
+    other = json.loads(parts[1].read_text())
+    other["settings"]["max_new_tokens"] += 1
+    parts[1].write_text(json.dumps(other))
+    assert main(["eval", "--report-only", *map(str, parts), "--output-dir", str(merged_dir)]) == 2
+    assert "different settings" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------------------------

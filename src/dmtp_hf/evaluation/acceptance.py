@@ -227,11 +227,9 @@ def run_acceptance_eval(
             "schema": SCHEMA,
             "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
             "environment": _environment(device),
-            "settings": {
-                **asdict(settings),
-                "verify_mode": settings.resolved_verify_mode,
-                "auto_cost_measure_seconds": cost_seconds,
-            },  # fmt: skip
+            "settings": {**asdict(settings), "verify_mode": settings.resolved_verify_mode},
+            # measured, not chosen: kept out of ``settings`` so that runs of the same settings merge
+            "auto_cost_measure_seconds": cost_seconds,
             "models": _model_info(target, paths),
             "strategies": [s.describe() for s in strategies],
             "datasets": [
@@ -321,10 +319,7 @@ def merge_eval_results(parts: list[dict[str, Any]]) -> dict[str, Any]:
             raise ValueError(f"not a {SCHEMA} file (schema {part.get('schema')!r})")
         if [s["label"] for s in part["strategies"]] != labels:
             raise ValueError("cannot merge evaluations of different strategies")
-        ignore = {"limit"}
-        if {k: v for k, v in part["settings"].items() if k not in ignore} != {
-            k: v for k, v in first["settings"].items() if k not in ignore
-        }:
+        if _comparable_settings(part) != _comparable_settings(first):
             raise ValueError("cannot merge evaluations run with different settings")
         if bool(part.get("baseline")) != bool(first.get("baseline")):
             raise ValueError("cannot merge evaluations with and without the generate baseline")
@@ -337,7 +332,23 @@ def merge_eval_results(parts: list[dict[str, Any]]) -> dict[str, Any]:
             if part.get("baseline"):
                 merged["baseline"][name] = part["baseline"][name]
             merged["outputs_identical"][name] = part["outputs_identical"][name]
+    merged["settings"] = _comparable_settings(first) | {"limit": first["settings"].get("limit")}
+    merged["auto_cost_measure_seconds"] = sum(_auto_cost_seconds(part) for part in parts)
     return finalize_results(merged)
+
+
+# Keys of ``settings`` that may differ between parts of one evaluation: ``limit`` (a worker may cap its sets), and
+# the measured start-up time that older files kept under ``settings``.
+_MERGE_IGNORED_SETTINGS = frozenset({"limit", "auto_cost_measure_seconds"})
+
+
+def _comparable_settings(part: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in part["settings"].items() if k not in _MERGE_IGNORED_SETTINGS}
+
+
+def _auto_cost_seconds(part: dict[str, Any]) -> float:
+    """The seconds a part spent timing the target per width for ``auto`` (top level; older files: in settings)."""
+    return float(part.get("auto_cost_measure_seconds", part["settings"].get("auto_cost_measure_seconds")) or 0.0)
 
 
 def _environment(device: torch.device) -> dict[str, Any]:
