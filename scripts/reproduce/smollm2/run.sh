@@ -52,13 +52,8 @@ wait
 $PY scripts/reproduce/bundle_drafts.py --set smollm2
 $PY scripts/reproduce/bundle_drafts.py --set smollm2-d2
 # verify_length="auto" reads each draft's acceptance calibration from its config.json: fit it on calibration prompts
-# (corpus questions the evaluation does not use), as scripts/reproduce/verify_widths.sh does
-CAL=outputs/widths; mkdir -p $CAL
-sed -n 101,200p outputs/corpus/bench/code_question.jsonl > $CAL/calibration_code.jsonl
-sed -n 61,121p outputs/corpus/bench/chat_question.jsonl > $CAL/calibration_chat.jsonl
-$DMTP calibrate --bundle smollm2 --strategies dmtp,dflash,dflash2,dmtp-d2 --datasets none \
-    --prompts $CAL/calibration_code.jsonl --prompts $CAL/calibration_chat.jsonl --limit 10 --max-new-tokens 96 \
-    --write --output-dir $CAL/smollm2/calibration --no-progress
+# (corpus questions the evaluation does not use)
+OUT=outputs/widths bash scripts/reproduce/verify_widths.sh smollm2-calibration
 $PY scripts/reproduce/compare.py --bundle smollm2 --limit 20 --max-new-tokens 128 --bench-limit 4 --batch-sizes 1,2,4
 # the blog's section 7 protocol: the same prompts sampled at temperature 1 (rejection verification, fixed widths)
 $PY scripts/reproduce/compare.py --bundle smollm2 --limit 20 --max-new-tokens 128 --temperature 1 --skip-bench \
