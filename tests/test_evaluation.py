@@ -350,6 +350,43 @@ def test_eval_report_only_merges_split_runs(eval_run, tmp_path, capsys):
     assert "different settings" in capsys.readouterr().err
 
 
+def test_eval_report_only_adds_columns_from_another_run(eval_run, tmp_path, capsys):
+    """A strategy evaluated later on the same prompts joins as a column; its speedup stays against the plain
+    generate timed in its own run."""
+    out, _ = eval_run
+    data = json.loads((out / "eval.json").read_text())
+    labels = [s["label"] for s in data["strategies"]]
+    parts, slow = [], 2.0  # the second run's machine was twice as slow, baseline and strategies alike
+    for chunk, scale in ((labels[:1], 1.0), (labels[1:], slow)):
+        part = json.loads(json.dumps(data))
+        part["strategies"] = [s for s in data["strategies"] if s["label"] in chunk]
+        for name in part["results"]:
+            part["results"][name] = {k: v for k, v in part["results"][name].items() if k in chunk}
+            for entry in [*part["results"][name].values(), part["baseline"][name]]:
+                entry["wall_seconds"] *= scale
+        path = tmp_path / f"columns{len(parts)}.json"
+        path.write_text(json.dumps(part))
+        parts.append(path)
+    merged_dir = tmp_path / "merged"
+    assert main(["eval", "--report-only", *map(str, parts), "--output-dir", str(merged_dir)]) == 0
+    merged = json.loads((merged_dir / "eval.json").read_text())
+    assert [s["label"] for s in merged["strategies"]] == labels
+    assert merged["baseline"] == data["baseline"] and set(merged["column_baselines"]) == set(labels[1:])
+    for name in [*data["results"], "overall"]:
+        by_label = merged["results"].get(name) or merged["overall"]
+        reference = data["results"].get(name) or data["overall"]
+        for label in labels:
+            assert by_label[label]["hist"] == reference[label]["hist"]
+            assert by_label[label]["speedup"] == pytest.approx(reference[label]["speedup"]), (name, label)
+    assert "ran in a separate run" in (merged_dir / "eval.md").read_text()
+    # at T = 0 the two runs' plain generate must agree token for token
+    other = json.loads(parts[1].read_text())
+    other["baseline"][data["datasets"][0]["name"]]["output_digest"] = "0" * 64
+    parts[1].write_text(json.dumps(other))
+    assert main(["eval", "--report-only", *map(str, parts), "--output-dir", str(merged_dir)]) == 2
+    assert "plain generate produced different tokens" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # dmtp bench
 

@@ -139,7 +139,25 @@ def named_prompts(out: Path) -> Path:
 
 
 def run_eval(args, out: Path) -> dict:
-    """Acceptance + speedup over the three workloads, split over worker processes, merged."""
+    """Acceptance + speedup over the workloads, split over worker processes, merged. With ``--add-strategies``
+    only those strategies run (with their own plain-generate baseline), added as columns to OUTPUT_DIR/eval.json."""
+    if not args.add_strategies:
+        return _eval_parts(args, out, args.bundle.methods, out)
+    unknown = set(args.add_strategies) - set(args.bundle.methods)
+    if unknown:
+        raise SystemExit(f"--add-strategies: {', '.join(sorted(unknown))} not in this bundle's {args.bundle.methods}")
+    added = out / "parts" / "added"
+    _eval_parts(args, added, args.add_strategies, added)
+    existing = json.loads((out / "eval.json").read_text())
+    present = [label for label in args.add_strategies if label in {s["label"] for s in existing["strategies"]}]
+    if present:
+        raise SystemExit(f"--add-strategies: {', '.join(present)} already in {out / 'eval.json'}")
+    merge = _dmtp("eval", "--report-only", str(out / "eval.json"), str(added / "eval.json"), "--output-dir", str(out))
+    subprocess.run(merge, check=True)
+    return json.loads((out / "eval.json").read_text())
+
+
+def _eval_parts(args, out: Path, methods: list[str], merged_dir: Path) -> dict:
     named = named_prompts(out)
     bundled_sets = ",".join(args.bundle.datasets)
     workloads = [
@@ -151,14 +169,14 @@ def run_eval(args, out: Path) -> dict:
         workloads = [[*workloads[1], "--datasets", bundled_sets]]
     common = [
         *args.bundle.models,
-        "--strategies", ",".join(args.bundle.methods),
+        "--strategies", ",".join(methods),
         "--limit", str(args.limit),
         "--max-new-tokens", str(args.max_new_tokens),
         "--no-progress",
     ]  # fmt: skip
     if args.temperature:  # the blog's section 7 protocol: sampled, verified by rejection sampling
-        methods = [m for m in args.bundle.methods if not m.endswith(":auto")]
-        common[common.index("--strategies") + 1] = ",".join(methods)
+        sampled = [m for m in methods if not m.endswith(":auto")]
+        common[common.index("--strategies") + 1] = ",".join(sampled)
         common += ["--temperature", str(args.temperature), "--verify-mode", "rejection", "--seed", "0"]
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, args.threads // len(workloads))), "OMP_WAIT_POLICY": "PASSIVE"}
     procs, parts = [], []
@@ -173,8 +191,8 @@ def run_eval(args, out: Path) -> dict:
         if proc.wait() != 0:
             raise SystemExit(f"eval worker failed, see {part / 'eval.log'}")
         log.close()
-    subprocess.run(_dmtp("eval", "--report-only", *map(str, parts), "--output-dir", str(out)), check=True)
-    return json.loads((out / "eval.json").read_text())
+    subprocess.run(_dmtp("eval", "--report-only", *map(str, parts), "--output-dir", str(merged_dir)), check=True)
+    return json.loads((merged_dir / "eval.json").read_text())
 
 
 def _bench_folder(out: Path, groups: list, index: int) -> Path:
@@ -478,6 +496,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-bench", action="store_true")
     parser.add_argument("--skip-eval", action="store_true", help="reuse OUTPUT_DIR/eval.json, run the bench only")
     parser.add_argument("--report-only", action="store_true", help="rebuild README.md from the saved JSON")
+    parser.add_argument(
+        "--add-strategies", type=lambda text: text.split(","), default=[], metavar="LABELS",
+        help="evaluate only these of the bundle's strategies (comma-separated; e.g. a draft bundled after the "
+        "comparison ran) and add them as columns to OUTPUT_DIR/eval.json; each keeps its own generate baseline",
+    )  # fmt: skip
     parser.add_argument("--output-dir", type=Path, help="default: reports/<bundle>")
     parser.add_argument(
         "--analysis", type=Path, help="markdown written by a person after reading the numbers (default: "

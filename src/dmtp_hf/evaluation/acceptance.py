@@ -272,11 +272,11 @@ def _throughput(entry: dict[str, Any]) -> float:
 
 def finalize_results(results: dict[str, Any]) -> dict[str, Any]:
     """Derive what follows from the per-dataset entries: ``overall`` (all datasets merged, recomputed from the
-    per-request counts), tokens/s, and each strategy's wall-clock speedup over the plain ``generate`` baseline
-    (tokens/s ratio; at T=0 both produce the same tokens). Idempotent."""
+    per-request counts), tokens/s, and each strategy's wall-clock speedup over the plain ``generate`` baseline timed
+    in the same run as it (``column_baselines[label]`` for columns merged from another run, else ``baseline``;
+    tokens/s ratio; at T=0 both produce the same tokens). Idempotent."""
     labels = [s["label"] for s in results["strategies"]]
     datasets = [d["name"] for d in results["datasets"]]
-    baseline = results.get("baseline") or {}
     overall: dict[str, Any] = {}
     for label in labels:
         entries = [results["results"][name][label] for name in datasets]
@@ -290,65 +290,24 @@ def finalize_results(results: dict[str, Any]) -> dict[str, Any]:
                 "wall_seconds": sum(e.get("wall_seconds", 0.0) for e in entries),
             },
         )
-    if baseline:
+    column_baselines = results.get("column_baselines") or {}
+    for baseline in [results.get("baseline") or {}, *column_baselines.values()]:
+        if not baseline:
+            continue
         baseline[ALL_DATASETS] = {
             "output_tokens": sum(baseline[name]["output_tokens"] for name in datasets),
             "wall_seconds": sum(baseline[name]["wall_seconds"] for name in datasets),
         }
+        for name in [*datasets, ALL_DATASETS]:
+            baseline[name]["tokens_per_second"] = _throughput(baseline[name])
     for name, by_label in [*((name, results["results"][name]) for name in datasets), (ALL_DATASETS, overall)]:
-        base = _throughput(baseline[name]) if baseline else float("nan")
-        if baseline:
-            baseline[name]["tokens_per_second"] = base
-        for entry in by_label.values():
+        for label, entry in by_label.items():
+            baseline = column_baselines.get(label) or results.get("baseline") or {}
+            base = baseline[name]["tokens_per_second"] if baseline else math.nan
             entry["tokens_per_second"] = _throughput(entry)
-            entry["speedup"] = entry["tokens_per_second"] / base if baseline else float("nan")
+            entry["speedup"] = entry["tokens_per_second"] / base
     results["overall"] = overall
     return _finite(results)
-
-
-def merge_eval_results(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    """Merge ``dmtp eval`` results of disjoint prompt sets run separately (e.g. in parallel processes) with the
-    same strategies and settings into one result, as if run together."""
-    if not parts:
-        raise ValueError("nothing to merge")
-    first = parts[0]
-    labels = [s["label"] for s in first["strategies"]]
-    merged = {**first, "datasets": [], "results": {}, "baseline": {}, "outputs_identical": {}}
-    for part in parts:
-        if part.get("schema") != SCHEMA:
-            raise ValueError(f"not a {SCHEMA} file (schema {part.get('schema')!r})")
-        if [s["label"] for s in part["strategies"]] != labels:
-            raise ValueError("cannot merge evaluations of different strategies")
-        if _comparable_settings(part) != _comparable_settings(first):
-            raise ValueError("cannot merge evaluations run with different settings")
-        if bool(part.get("baseline")) != bool(first.get("baseline")):
-            raise ValueError("cannot merge evaluations with and without the generate baseline")
-        for dataset in part["datasets"]:
-            name = dataset["name"]
-            if name in merged["results"]:
-                raise ValueError(f"dataset {name!r} appears in more than one file")
-            merged["datasets"].append(dataset)
-            merged["results"][name] = part["results"][name]
-            if part.get("baseline"):
-                merged["baseline"][name] = part["baseline"][name]
-            merged["outputs_identical"][name] = part["outputs_identical"][name]
-    merged["settings"] = _comparable_settings(first) | {"limit": first["settings"].get("limit")}
-    merged["auto_cost_measure_seconds"] = sum(_auto_cost_seconds(part) for part in parts)
-    return finalize_results(merged)
-
-
-# Keys of ``settings`` that may differ between parts of one evaluation: ``limit`` (a worker may cap its sets), and
-# the measured start-up time that older files kept under ``settings``.
-_MERGE_IGNORED_SETTINGS = frozenset({"limit", "auto_cost_measure_seconds"})
-
-
-def _comparable_settings(part: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in part["settings"].items() if k not in _MERGE_IGNORED_SETTINGS}
-
-
-def _auto_cost_seconds(part: dict[str, Any]) -> float:
-    """The seconds a part spent timing the target per width for ``auto`` (top level; older files: in settings)."""
-    return float(part.get("auto_cost_measure_seconds", part["settings"].get("auto_cost_measure_seconds")) or 0.0)
 
 
 def _environment(device: torch.device) -> dict[str, Any]:

@@ -130,8 +130,9 @@ def add_subcommands(sub) -> None:
         nargs="+",
         type=Path,
         metavar="EVAL_JSON",
-        help="rebuild JSON, markdown and plots from saved eval.json files (merged when several; disjoint prompt "
-        "sets, same strategies and settings) into --output-dir; loads no model",
+        help="rebuild JSON, markdown and plots from saved eval.json files into --output-dir; loads no model. "
+        "Several files merge: disjoint prompt sets with the same strategies, or disjoint strategies on the same "
+        "prompt sets (each column's speedup stays against the plain generate timed in its own run)",
     )
     evaluate.set_defaults(func=cmd_eval)
 
@@ -293,7 +294,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     """``dmtp eval``: run the acceptance evaluation and write JSON, markdown and plots."""
     from rich.table import Table
 
-    from .acceptance import merge_eval_results, run_acceptance_eval
+    from .acceptance import run_acceptance_eval
+    from .merge import merge_eval_results
     from .report import dataset_rows, write_eval_outputs
 
     if args.report_only:

@@ -156,6 +156,13 @@ def markdown_report(results: dict[str, Any]) -> str:
             *_speedup_table(results),
             "",
         ]
+        if results.get("column_baselines"):
+            separate = ", ".join(f"`{label}`" for label in results["column_baselines"])
+            lines += [
+                f"{separate} ran in a separate run, against the plain `generate` timed in that run (its tokens/s "
+                "are in `column_baselines` of eval.json).",
+                "",
+            ]
     mismatched = [name for name, same in results.get("outputs_identical", {}).items() if not same]
     if mismatched and not settings["temperature"]:
         lines += [
