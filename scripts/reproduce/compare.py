@@ -298,7 +298,8 @@ def _header(evaluation: dict, counts: dict[str, int], args) -> list[str]:
             f"{'yes' if same else 'NO: ' + str(evaluation['outputs_identical'])}."
             if not settings.get("temperature")
             else "Sampled outputs differ from plain `generate`'s by design (the distribution is the target's)."
-        ),
+        )
+        + _added_columns(evaluation),
         "",
         "## Models and budgets",
         "",
@@ -307,6 +308,17 @@ def _header(evaluation: dict, counts: dict[str, int], args) -> list[str]:
         *[f"| {name} | {value / 1e6:.2f}M |" for name, value in counts.items()],
         "",
     ]
+
+
+def _added_columns(evaluation: dict) -> str:
+    """A note for columns evaluated in a later run (``--add-strategies``) and merged in."""
+    added = list(evaluation.get("column_baselines") or {})
+    if not added:
+        return ""
+    return (
+        f" Column{'s' if len(added) > 1 else ''} {', '.join(f'`{label}`' for label in added)} ran later on the "
+        f"same prompts (`--add-strategies {','.join(added)}`), timed against the plain `generate` of that run."
+    )
 
 
 def _bench_flags(args) -> str:
