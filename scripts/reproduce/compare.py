@@ -146,12 +146,12 @@ def run_eval(args, out: Path) -> dict:
     unknown = set(args.add_strategies) - set(args.bundle.methods)
     if unknown:
         raise SystemExit(f"--add-strategies: {', '.join(sorted(unknown))} not in this bundle's {args.bundle.methods}")
-    added = out / "parts" / "added"
-    _eval_parts(args, added, args.add_strategies, added)
     existing = json.loads((out / "eval.json").read_text())
     present = [label for label in args.add_strategies if label in {s["label"] for s in existing["strategies"]}]
-    if present:
+    if present:  # refused before the (long) evaluation, not after it
         raise SystemExit(f"--add-strategies: {', '.join(present)} already in {out / 'eval.json'}")
+    added = out / "parts" / "added"
+    _eval_parts(args, added, args.add_strategies, added)
     merge = _dmtp("eval", "--report-only", str(out / "eval.json"), str(added / "eval.json"), "--output-dir", str(out))
     subprocess.run(merge, check=True)
     return json.loads((out / "eval.json").read_text())

@@ -31,7 +31,8 @@ def merge_eval_results(parts: list[dict[str, Any]]) -> dict[str, Any]:
         if bool(part.get("baseline")) != bool(parts[0].get("baseline")):
             raise ValueError("cannot merge evaluations with and without the generate baseline")
     same_sets = all(_dataset_names(part) == _dataset_names(parts[0]) for part in parts)
-    if len(parts) > 1 and same_sets and not _shared_labels(parts):
+    labels = [label for part in parts for label in _labels(part)]
+    if len(parts) > 1 and same_sets and len(labels) == len(set(labels)):
         merged = _merge_columns(parts)
     else:
         merged = _merge_rows(parts)
@@ -104,16 +105,6 @@ def _merge_columns(parts: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _labels(part: dict[str, Any]) -> list[str]:
     return [s["label"] for s in part["strategies"]]
-
-
-def _shared_labels(parts: list[dict[str, Any]]) -> set[str]:
-    seen: set[str] = set()
-    shared: set[str] = set()
-    for part in parts:
-        labels = set(_labels(part))
-        shared |= seen & labels
-        seen |= labels
-    return shared
 
 
 def _dataset_names(part: dict[str, Any]) -> list[str]:
