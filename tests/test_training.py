@@ -519,6 +519,20 @@ def test_lora_trains_and_merged_checkpoint_loads_as_plain_draft(tmp_path, target
     torch.testing.assert_close(merged_loss, lora_loss, rtol=1e-5, atol=1e-6)
 
 
+def launch(command: list[str], env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run an `accelerate launch` (about 12 s here); one that never ends is killed with its ranks, and the test fails
+    with what they printed (the run ends on every rank together, `CheckpointMixin.end_run`)."""
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)  # fmt: skip
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, 9)  # the launcher and both ranks
+        stdout, stderr = process.communicate()
+        pytest.fail(f"accelerate launch did not end in {timeout} s\nstdout: {stdout[-3000:]}\nstderr: {stderr[-9000:]}")
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
 def test_accelerate_launch_two_processes_matches_one(tmp_path, target_dir):
     data = random_dataset(8, 24)
     data_file = tmp_path / "train.jsonl"
@@ -535,7 +549,7 @@ def test_accelerate_launch_two_processes_matches_one(tmp_path, target_dir):
         str(REPO / "configs" / "accelerate" / "ddp_cpu.yaml"), str(REPO / "scripts" / "finetune.py"),
         "--config", str(config_file), "--set", "save_every=2", "--set", "resume_from=auto",
     ]  # fmt: skip
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    result = launch(command, env)
     assert result.returncode == 0, result.stderr[-12000:]  # both ranks' tracebacks
     assert "trained 3 steps on 2 process(es)" in result.stdout  # really distributed (gloo), printed once
     straight = DMTPDraftModel.from_pretrained(tmp_path / "ddp" / "final").state_dict()
@@ -543,7 +557,7 @@ def test_accelerate_launch_two_processes_matches_one(tmp_path, target_dir):
     shutil.rmtree(tmp_path / "ddp" / "final")
     for later in (tmp_path / "ddp" / "checkpoints").glob("step-0000000[3-9]"):
         shutil.rmtree(later)
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    result = launch(command, env)
     assert result.returncode == 0 and "resumed from" in result.stdout, result.stderr[-12000:]
     resumed = DMTPDraftModel.from_pretrained(tmp_path / "ddp" / "final").state_dict()
     assert all(torch.equal(resumed[k], v) for k, v in straight.items())

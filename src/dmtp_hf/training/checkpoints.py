@@ -1,11 +1,13 @@
 """The trainer's checkpoints: atomic ``step-N`` directories (accelerate state + plain exported models), rotation,
-resume, and the final export. A mixin of `Trainer` (it reads the trainer's accelerator, objective and counters).
+resume, the final export and the run's end. A mixin of `Trainer` (it reads the trainer's accelerator, objective and
+counters).
 
 `weights_only_checkpoint` copies a checkpoint without its optimizer state, the weights cast to bfloat16: small enough
 to commit, so that a run can span machines whose disks are not kept. The trainer resumes from such a copy too."""
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -175,6 +177,18 @@ class CheckpointMixin:
                     self._save_models(None, tmp, state_dict)
                     (tmp / "training.json").write_text(record)
         self.accelerator.wait_for_everyone()
+
+    def end_run(self) -> None:
+        """End the run on every process together (after the last checkpoint or export): a barrier; then the DDP
+        wrapper, whose reducer holds the gloo/NCCL group, is freed while every peer is still alive; then the group
+        goes. Left to the interpreter's exit, that destructor ran after a peer had already left and could block for
+        good (a two-process CPU run hung so about once in 180). The trainer keeps the unwrapped objective."""
+        acc = self.accelerator
+        acc.wait_for_everyone()
+        self.objective = acc.unwrap_model(self.objective)
+        acc.free_memory()  # accelerate's own references to the wrapper
+        gc.collect()
+        acc.end_training()  # trackers finish; the process group is destroyed
 
     def _prune_checkpoints(self) -> None:
         limit = self.config.save_total_limit

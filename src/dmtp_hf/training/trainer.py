@@ -331,7 +331,7 @@ class Trainer(CheckpointMixin):
         if acc.is_main_process:
             elapsed = time.perf_counter() - run_start
             print(f"trained {self.total_steps} steps on {acc.num_processes} process(es) in {elapsed:.1f}s")
-        acc.end_training()
+        self.end_run()
         return self.history
 
     def _loop(self, callbacks: Sequence[StepCallback], bar, stop: GracefulStop, start: float) -> None:
@@ -357,7 +357,7 @@ class Trainer(CheckpointMixin):
             if (name := stop.requested(acc)) is not None:
                 bar.close()
                 saved = self.save_checkpoint()
-                acc.end_training()
+                self.end_run()
                 raise TrainingInterrupted(name, self.step, saved)
 
     def train_step(self) -> dict[str, float]:
