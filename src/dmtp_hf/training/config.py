@@ -45,7 +45,8 @@ class TrainConfig:
     mtp_draft_vocab_size: int | None = None  # a trained head predicts over this many frequent tokens (None: all)
     target_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     # --- data
-    train_data: str  # chat/pre-tokenized JSONL, an offline feature directory, or synthetic:<N>x<len>
+    train_data: str | list[str]  # JSONL, offline feature directory or synthetic:<N>x<len>; a list mixes ("path*0.5")
+    labels: Literal["text", "target"] = "text"  # predict the text's tokens | the target's own greedy ones
     eval_data: str | None = None  # held-out set (same forms); None = `eval_holdout` train samples
     eval_holdout: int = 0  # train samples held out at random (seeded by `seed`) when eval_data is None
     tokenizer: str | None = None  # default: the target checkpoint

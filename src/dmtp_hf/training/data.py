@@ -40,6 +40,8 @@ __all__ = [
     "collate",
     "conversation_from_record",
     "load_dataset_records",
+    "mixed_dataset",
+    "parse_mix_item",
     "read_jsonl",
     "synthetic_greedy_dataset",
 ]
@@ -318,6 +320,32 @@ class OfflineFeatureDataset(torch.utils.data.Dataset):
         state = self.__dict__.copy()
         state["_handles"] = {}
         return state
+
+
+def parse_mix_item(item: str) -> tuple[str, float]:
+    """``"path*0.5"`` -> ``("path", 0.5)``; a plain path has weight 1."""
+    path, star, weight = item.rpartition("*")
+    if not star:
+        return item, 1.0
+    try:
+        value = float(weight)
+    except ValueError:
+        raise ValueError(f"train_data item {item!r}: the weight after '*' must be a number") from None
+    if value <= 0:
+        raise ValueError(f"train_data item {item!r}: the weight must be > 0")
+    return path, value
+
+
+def mixed_dataset(parts: Sequence[tuple[torch.utils.data.Dataset, float]], seed: int = 0) -> torch.utils.data.Dataset:
+    """Datasets mixed by weight: each contributes ``round(weight * len)`` samples, whole copies of itself and then a
+    seeded random subset for the fraction, so a weight of 2 sees every sample twice per epoch and 0.5 half of them."""
+    pieces = []
+    for number, (dataset, weight) in enumerate(parts):
+        whole, fraction = divmod(round(weight * len(dataset)), len(dataset))
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + number)
+        rest = sorted(torch.randperm(len(dataset), generator=generator)[:fraction].tolist())
+        pieces.append(torch.utils.data.Subset(dataset, list(range(len(dataset))) * whole + rest))
+    return torch.utils.data.ConcatDataset(pieces)
 
 
 def synthetic_greedy_dataset(

@@ -7,14 +7,19 @@ For a sequence ``x_0 .. x_{S-1}`` (one target forward, one teacher-forced MTP pa
 * ``mtp_hidden [S, H]``: ``g_t`` = MTP head output for the pair ``(x_{t+1}, h_t)`` at position ``t``, which predicts
   ``x_{t+2}``; ``h_t`` is the target's last hidden state (post-norm by default, the tensor fed to the LM head). The
   last row (no ``x_S``) is zero and never read: anchors stop at ``S - 2`` and use ``g_{a-1}``;
-* ``mtp_token [S]``: ``argmax lm_head(g_t)``, the MTP head's greedy guess for ``x_{t+2}`` (acceptance metric only).
+* ``mtp_token [S]``: ``argmax lm_head(g_t)``, the MTP head's greedy guess for ``x_{t+2}`` (acceptance metric only);
+* ``target_next [S]`` (``target_labels``): the target's own greedy next token after ``x_0 .. x_t``, from the same
+  prefill. Training on it is self-distillation: on any text (teacher forcing) the draft and the head learn what the
+  target would say next, not what the text says (`teacher_labels`). On answers the target regenerated greedily the
+  two agree.
 
 `FeatureExtractor` computes them online inside the trainer; `extract_features` / `main` (``dmtp extract``) write
 them to safetensors shards, and `OfflineFeatureDataset` streams them back. Both paths share `FeatureExtractor`,
 so online and offline training see the same numbers.
 
 Shard format (``features-00000.safetensors``), samples concatenated along the token axis: ``input_ids [T]``,
-``loss_mask [T]``, ``context [T, k*H]``, ``mtp_hidden [T, H]``, ``mtp_token [T]``, ``offsets [n + 1]``; plus
+``loss_mask [T]``, ``context [T, k*H]``, ``mtp_hidden [T, H]``, ``mtp_token [T]``, ``target_next [T]``,
+``offsets [n + 1]``; plus
 ``index.json`` with the shard names, their sample counts and the extraction settings.
 """
 
@@ -47,9 +52,10 @@ __all__ = [
     "load_target",
     "main",
     "offline_final_hidden",
+    "teacher_labels",
 ]
 
-FEATURE_KEYS = ("context", "mtp_hidden", "mtp_token", "head_hidden")
+FEATURE_KEYS = ("context", "mtp_hidden", "mtp_token", "head_hidden", "target_next")
 
 
 def freeze(module: nn.Module) -> nn.Module:
@@ -84,6 +90,7 @@ class FeatureExtractor:
         token_chunk: positions per LM-head chunk when computing ``mtp_token`` (bounds the ``[B, chunk, V]`` logits).
         head_inputs: also return ``head_hidden``, the hidden the head reads (training the head itself).
         final_hidden: also return ``final_hidden``, the post-norm hidden (the target's own distribution, for KL).
+        target_labels: also return ``target_next``, the target's greedy next token at every position.
     """
 
     def __init__(
@@ -95,6 +102,7 @@ class FeatureExtractor:
         token_chunk: int = 256,
         head_inputs: bool = False,
         final_hidden: bool = False,
+        target_labels: bool = False,
     ):
         self.target = target
         self.target_layer_ids = list(target_layer_ids)
@@ -103,6 +111,7 @@ class FeatureExtractor:
         self.token_chunk = token_chunk
         self.head_inputs = head_inputs
         self.final_hidden = final_hidden
+        self.target_labels = target_labels
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
@@ -123,9 +132,19 @@ class FeatureExtractor:
             features["head_hidden"] = last_hidden
         if self.final_hidden:
             features["final_hidden"] = outputs.hidden_states[-1]
+        if self.target_labels:
+            features["target_next"] = self.greedy_next(outputs.hidden_states[-1])
         if self.mtp_head is not None:
             features.update(self.mtp_features(input_ids, last_hidden))
         return features
+
+    @torch.no_grad()
+    def greedy_next(self, final_hidden: torch.Tensor) -> torch.Tensor:
+        """``[B, S]`` argmax of the target's LM head over its post-norm hidden ``[B, S, H]``, ``token_chunk``
+        positions at a time (a 150K vocabulary makes full ``[B, S, V]`` logits gigabytes). Monotone logit
+        transforms (soft-capping, temperature) never change an argmax, so the LM head alone is enough."""
+        lm_head = self.target.get_output_embeddings()
+        return torch.cat([lm_head(chunk).argmax(dim=-1) for chunk in final_hidden.split(self.token_chunk, dim=1)], 1)
 
     @torch.no_grad()
     def mtp_features(
@@ -260,6 +279,7 @@ def extract_features(
             "hidden_input": extractor.hidden_input,
             "has_mtp": extractor.mtp_head is not None,
             "has_head_inputs": extractor.head_inputs,
+            "has_target_labels": extractor.target_labels,
             **(metadata or {}),
         }
         atomic_write_json(out / "index.json", index, indent=2)
@@ -284,6 +304,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-mtp", action="store_true", help="skip the MTP features (DFlash baseline)")
     parser.add_argument(
         "--head-inputs", action="store_true", help="also store the hidden the MTP head reads (to train the head)"
+    )
+    parser.add_argument(
+        "--target-labels",
+        action="store_true",
+        help="also store the target's greedy next token at every position (self-distillation on any text)",
     )
     parser.add_argument("--hidden-input", choices=["post_norm", "pre_norm"], default="post_norm")
     parser.add_argument("--batch-size", type=int, default=8)
@@ -314,7 +339,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         enable_thinking=thinking,
     )  # fmt: skip
     dtype = None if args.dtype == "keep" else getattr(torch, args.dtype)
-    extractor = FeatureExtractor(target, layer_ids, head, hidden_input=args.hidden_input, head_inputs=args.head_inputs)
+    extractor = FeatureExtractor(
+        target,
+        layer_ids,
+        head,
+        hidden_input=args.hidden_input,
+        head_inputs=args.head_inputs,
+        target_labels=args.target_labels,
+    )
     options = dict(batch_size=args.batch_size, shard_size=args.shard_size, dtype=dtype,
                    metadata={"target": str(args.target), "data": str(args.data)})  # fmt: skip
     extract_features(extractor, dataset, args.output, rank=state.process_index, world_size=state.num_processes,
@@ -329,6 +361,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _target_dir(target: str) -> str:
     """The tokenizer location implied by ``--target``."""
     return resolve_target_path(target)
+
+
+def teacher_labels(input_ids: torch.Tensor, target_next: torch.Tensor | None) -> torch.Tensor:
+    """``[B, S]`` the token each position must be predicted as: ``target_next`` shifted one to the right (position
+    p is what the target says after ``x_0 .. x_{p-1}``; position 0, never a label, keeps ``x_0``), or the text
+    itself when there are no target labels."""
+    if target_next is None:
+        return input_ids
+    return torch.cat([input_ids[:, :1], target_next[:, :-1].to(input_ids.dtype)], dim=1)
 
 
 def offline_final_hidden(features: dict[str, torch.Tensor], hidden_input: str) -> torch.Tensor:

@@ -29,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..modeling.draft_vocab import IGNORE_INDEX, to_draft_ids
 from ..modeling.native_mtp.head import NativeMTPHead
+from .features import teacher_labels
 from .objective import DMTPTrainingObjective, ObjectiveOutput, metric_vector, metrics_from_vector
 
 __all__ = ["JointObjective", "MTPHeadObjective", "MTPHeadOutput", "mtp_positions"]
@@ -100,14 +101,17 @@ class MTPHeadObjective(nn.Module):
         head_hidden: torch.Tensor,  # [B, S, H] the target hidden the head reads (h_t)
         final_hidden: torch.Tensor | None = None,  # [B, S, H] post-norm target hidden (KL only)
         mtp_normalizer: torch.Tensor | float | None = None,
+        target_next: torch.Tensor | None = None,  # [B, S] the target's greedy next tokens (teacher-forced text)
         **_: object,
     ) -> MTPHeadOutput:
-        """Loss (summed over supervised positions / ``mtp_normalizer``) and metric sums of one micro-batch."""
+        """Loss (summed over supervised positions / ``mtp_normalizer``) and metric sums of one micro-batch. With
+        ``target_next`` the label of pair t is the target's own token after ``x_{<=t+1}``, not the text's."""
         bsz, seq_len = input_ids.shape
         positions = torch.arange(seq_len - 1, device=input_ids.device).expand(bsz, -1)
         g = self.model(input_ids[:, 1:], head_hidden[:, :-1], positions)  # [B, S-1, H]: pair t predicts x_{t+2}
         supervised = mtp_positions(loss_mask)  # [B, S-2]
-        rows, labels = g[:, :-1][supervised], input_ids[:, 2:][supervised]  # [M, H], [M]
+        label_ids = teacher_labels(input_ids, target_next)
+        rows, labels = g[:, :-1][supervised], label_ids[:, 2:][supervised]  # [M, H], [M]
         target_rows = final_hidden[:, 1:-1][supervised] if final_hidden is not None and self.kl_weight else None
         chunk = self.logits_chunk_size or max(rows.shape[0], 1)
         ce, kl, correct = rows.new_zeros(0), rows.new_zeros(0), rows.new_zeros(0)
@@ -168,9 +172,9 @@ class JointObjective(nn.Module):
         return self.head_objective.head
 
     def forward(self, input_ids, plan, context, loss_mask, head_hidden, final_hidden=None, normalizer=None,
-                mtp_normalizer=None, **_: object):  # fmt: skip
+                mtp_normalizer=None, target_next=None, **_: object):  # fmt: skip
         """Both losses on one micro-batch; returns ``(draft output, head output)`` with the summed ``loss``."""
-        head_out = self.head_objective(input_ids, loss_mask, head_hidden, final_hidden, mtp_normalizer)
+        head_out = self.head_objective(input_ids, loss_mask, head_hidden, final_hidden, mtp_normalizer, target_next)
         with torch.no_grad():
             mtp_token = torch.cat([self.head.logits(c).argmax(-1) for c in head_out.g.split(256, dim=1)], dim=1)
         draft_out = self.draft_objective(input_ids, context, plan, head_out.g, mtp_token, normalizer)

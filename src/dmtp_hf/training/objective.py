@@ -120,6 +120,7 @@ class BlockPlan:
     anchors: torch.Tensor  # [B, N] anchor positions a (0 for padding blocks)
     keep: torch.Tensor  # [B, N] bool, False for padding blocks
     labels: torch.Tensor  # [B, N, P] token at each predicted slot's absolute position (clamped when out of range)
+    t1_labels: torch.Tensor  # [B, N] the token at a + 1 that T1 must match (acceptance metric)
     valid: torch.Tensor  # [B, N, P] bool: kept block, position < S and loss_mask = 1
     weights: torch.Tensor  # [B, N, P] float: valid * exp(-(j - 1) / gamma)
     predecessors: torch.Tensor  # [B, N, P] the token just before each predicted slot (DFlash2's walk, teacher-forced)
@@ -147,8 +148,13 @@ def plan_blocks(
     config: DMTPConfig,
     num_anchors: int,
     loss_decay_gamma: float | None,
+    label_ids: torch.Tensor | None = None,  # [B, S] what each position must be predicted as (default: input_ids)
 ) -> BlockPlan:
-    """Sample anchors and compute the labels and weights of every predicted slot."""
+    """Sample anchors and compute the labels and weights of every predicted slot.
+
+    ``label_ids`` are the target's own tokens when training on teacher-forced text (`features.teacher_labels`); the
+    walk of a DFlash2 selector then follows them too, since at inference it follows the draft's accepted picks."""
+    label_ids = input_ids if label_ids is None else label_ids
     seq_len = input_ids.shape[1]
     valid_anchor = valid_anchor_mask(loss_mask, config.anchor_layout)
     anchors, keep = sample_anchors(valid_anchor, scores[:, :seq_len], num_anchors)
@@ -158,13 +164,21 @@ def plan_blocks(
     predicted = slot_positions[..., first:]  # [B, N, P]
     in_range = predicted < seq_len
     flat = predicted.clamp(max=seq_len - 1).flatten(1)  # [B, N*P]
-    labels = input_ids.gather(1, flat).view_as(predicted)
-    predecessors = input_ids.gather(1, (flat - 1).clamp(min=0)).view_as(predicted)
+    labels = label_ids.gather(1, flat).view_as(predicted)
+    predecessors = label_ids.gather(1, (flat - 1).clamp(min=0)).view_as(predicted)
+    t1_labels = label_ids.gather(1, (anchors + 1).clamp(max=seq_len - 1))
     supervised = loss_mask.gather(1, flat).view_as(predicted).bool()
     valid = keep[..., None] & in_range & supervised
     decay = slot_decay(predicted.shape[-1], loss_decay_gamma, device=input_ids.device)
-    return BlockPlan(anchors=anchors, keep=keep, labels=labels, valid=valid, weights=valid.float() * decay,
-                     predecessors=predecessors)  # fmt: skip
+    return BlockPlan(
+        anchors=anchors,
+        keep=keep,
+        labels=labels,
+        t1_labels=t1_labels,
+        valid=valid,
+        weights=valid.float() * decay,
+        predecessors=predecessors,
+    )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -319,7 +333,7 @@ class DMTPTrainingObjective(nn.Module):
         with torch.no_grad():
             correct = torch.zeros_like(valid)
             correct[valid] = predicted == labels
-            metrics = _acceptance(correct, valid, plan.keep, config.anchor_layout, t1_ids, anchors, mtp_token)
+            metrics = _acceptance(correct, valid, plan.keep, config.anchor_layout, plan.t1_labels, anchors, mtp_token)
         return ObjectiveOutput(
             loss=loss,
             weighted_ce=weighted_ce.detach(),
@@ -388,7 +402,7 @@ def _acceptance(
     valid: torch.Tensor,  # [B, N, P]
     keep: torch.Tensor,  # [B, N]
     anchor_layout: str,
-    t1_ids: torch.Tensor,  # [B, N]
+    t1_labels: torch.Tensor,  # [B, N]
     anchors: torch.Tensor,  # [B, N]
     mtp_token: torch.Tensor | None,  # [B, S]
 ) -> dict[str, torch.Tensor]:
@@ -399,7 +413,7 @@ def _acceptance(
     else:
         accept_tf = 2.0 + accepted  # bonus + T1 (assumed accepted) + draft slots
         if mtp_token is not None:
-            t1_ok = (mtp_token.gather(1, (anchors - 1).clamp(min=0)) == t1_ids).float()
+            t1_ok = (mtp_token.gather(1, (anchors - 1).clamp(min=0)) == t1_labels).float()
             accept = 1.0 + t1_ok * (1.0 + accepted)
         else:
             accept = torch.full_like(accept_tf, math.nan)

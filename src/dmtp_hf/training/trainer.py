@@ -35,8 +35,8 @@ from ..modeling import DMTPDraftModel
 from ..modeling.draft_vocab import frequency_ranked_vocabulary, set_draft_vocabulary
 from .checkpoints import CheckpointMixin, weights_only_checkpoint
 from .config import TrainConfig
-from .data import collate, load_dataset_records, synthetic_greedy_dataset
-from .features import FEATURE_KEYS, FeatureExtractor, freeze, load_target, offline_final_hidden
+from .data import collate, load_dataset_records, mixed_dataset, parse_mix_item, synthetic_greedy_dataset
+from .features import FEATURE_KEYS, FeatureExtractor, freeze, load_target, offline_final_hidden, teacher_labels
 from .interruptions import GracefulStop, TrainingInterrupted
 from .models import build_draft, build_mtp_head, wrap_lora
 from .mtp_objective import JointObjective, MTPHeadObjective, mtp_positions
@@ -97,6 +97,7 @@ class Trainer(CheckpointMixin):
             hidden_input=config.mtp_hidden_input,
             head_inputs=config.train_mtp_head != "frozen",
             final_hidden=config.train_mtp_head != "frozen" and config.mtp_kl_weight > 0,
+            target_labels=config.labels == "target",
         )
 
         self.train_dataset, self.eval_dataset = self._datasets(train_dataset, eval_dataset)
@@ -214,7 +215,10 @@ class Trainer(CheckpointMixin):
             objective = JointObjective(objective, head, config.mtp_loss_weight)
         return objective
 
-    def _load_data(self, source: str) -> torch.utils.data.Dataset:
+    def _load_data(self, source: str | list[str]) -> torch.utils.data.Dataset:
+        if isinstance(source, list):
+            parts = [(self._load_data(path), weight) for path, weight in map(parse_mix_item, source)]
+            return mixed_dataset(parts, seed=self.config.seed)
         config = self.config
         if source.startswith("synthetic:"):
             num, _, length = source.removeprefix("synthetic:").partition("x")
@@ -272,6 +276,13 @@ class Trainer(CheckpointMixin):
         batch = {k: v.to(device) for k, v in collate(samples).items()}
         if "context" in batch or "head_hidden" in batch:  # offline features
             features = {k: batch[k] for k in FEATURE_KEYS if k in batch}
+            if self.config.labels == "target" and "target_next" not in features:
+                raise ValueError(
+                    "labels: target needs the target's own tokens, which these offline features lack: extract them "
+                    "with `dmtp extract --target-labels`"
+                )
+            if self.config.labels == "text":
+                features.pop("target_next", None)
             needs_head_inputs = self.config.train_mtp_head != "frozen" or (
                 self.mtp_head is not None and "mtp_hidden" not in features
             )
@@ -290,6 +301,7 @@ class Trainer(CheckpointMixin):
                 self.draft.config,
                 self.config.num_anchors,
                 self.config.loss_decay_gamma,
+                label_ids=teacher_labels(batch["input_ids"], features.get("target_next")),
             )
             if self.config.train_mtp_head == "frozen" and self.mtp_head is not None and "mtp_hidden" not in features:
                 # offline features without the head's outputs: the frozen head runs here, its guess only at anchors
