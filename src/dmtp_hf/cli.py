@@ -25,7 +25,13 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     if args.num_candidates:
         overrides["num_candidates"] = args.num_candidates
     model = DMTPDraftModel.from_pretrained(args.source, **overrides)
-    if args.to == "dflash":
+    if args.target is not None or args.to == "vllm":
+        head = _bind_for_export(model, args)
+    if args.to == "vllm":
+        from .modeling.engine_export import save_vllm_draft
+
+        save_vllm_draft(model, head, args.destination)
+    elif args.to == "dflash":
         model.save_dflash(args.destination)
     else:
         model.save_pretrained(args.destination)
@@ -36,6 +42,20 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         f"source={'DFlash' if cfg.loaded_from_dflash else 'DMTP'})"
     )
     return 0
+
+
+def _bind_for_export(model, args: argparse.Namespace):
+    """Bind ``model`` to ``--target`` with its MTP head (``--mtp-head``, else the target's own); returns the head."""
+    from .modeling.native_mtp import load_native_mtp, load_target_checkpoint
+
+    if args.target is None:
+        raise ValueError("--to vllm needs --target: the target's LM head and MTP head go into the vLLM folder")
+    target = load_target_checkpoint(args.target, dtype="auto")
+    head = None
+    if model.config.anchor_layout != "dflash" or args.mtp_head is not None:
+        head = load_native_mtp(target, checkpoint=args.mtp_head, hidden_input=model.config.mtp_hidden_input)
+    model.bind(target, native_mtp=head)
+    return head
 
 
 def _cmd_export_mtp(args: argparse.Namespace) -> int:
@@ -103,10 +123,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.set_defaults(func=_cmd_demo)
 
-    convert = sub.add_parser("convert", help="DFlash checkpoint -> DMTP checkpoint (zero-init fusion), or back")
+    convert = sub.add_parser(
+        "convert", help="DFlash checkpoint -> DMTP checkpoint (zero-init fusion), or back, or a vLLM DMTP folder"
+    )
     convert.add_argument("source", type=Path)
     convert.add_argument("destination", type=Path)
-    convert.add_argument("--to", choices=["dmtp", "dflash"], default="dmtp")
+    convert.add_argument(
+        "--to",
+        choices=["dmtp", "dflash", "vllm"],
+        default="dmtp",
+        help="dmtp: this library's layout; dflash: z-lab's (any engine); vllm: DMTP with its MTP head for the "
+        "dmtp-vllm plugin (needs --target)",
+    )
+    convert.add_argument("--target", help="the target checkpoint (a draft vocabulary's LM head rows; --to vllm)")
+    convert.add_argument("--mtp-head", help="--to vllm: a retrofitted MTP head checkpoint (default: the target's own)")
     convert.add_argument("--anchor-layout", choices=ANCHOR_LAYOUTS)
     convert.add_argument("--fusion", choices=FUSIONS)
     convert.add_argument("--num-candidates", type=int)

@@ -40,6 +40,7 @@ from .binding import UNBOUND_ASSISTANT, bind_draft, bound_native_mtp
 from .configuration_dmtp import DMTPConfig, require_local_directory
 from .dflash2 import CandidateSelector, GroupedDynamicCausalConv
 from .draft_vocab import draft_logits, register_draft_vocabulary
+from .engine_export import draft_vocab_lm_head
 from .fusion import FirstCandidateFusion
 from .io import check_finite, check_loading_info, save_dflash_checkpoint
 
@@ -481,14 +482,24 @@ class DMTPDraftModel(DMTPPreTrainedModel):
     def save_dflash(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
         """Write the backbone in the z-lab layout (``DFlashDraftModel`` or ``DFlash2DraftModel``, no ``fusion.*``).
 
-        Refuses unless the fusion is an exact no-op (zero residual), since the DFlash layout cannot hold it.
+        Refuses unless the fusion is an exact no-op (zero residual), since the DFlash layout cannot hold it. A draft
+        vocabulary's LM head rows are written as ``lm_head.weight`` (engines read a subset's head from the draft
+        folder), which needs the draft bound to its target.
         """
         if self.fusion is not None and not self.fusion.is_noop():
             raise ValueError(
                 "This draft has trained fusion weights; the DFlash layout cannot store them. "
                 "Use save_pretrained() for the DMTP layout."
             )
-        save_dflash_checkpoint(self.state_dict(), self.config.to_dflash_dict(), save_directory, **kwargs)
+        state = self.state_dict()
+        if self.d2t is not None:
+            if self._target is None:
+                raise ValueError(
+                    "This draft predicts over a draft vocabulary, whose LM head rows engines read from the draft "
+                    "folder and which come from the target: bind the draft first (`dmtp convert ... --target DIR`)"
+                )
+            state = {**state, "lm_head.weight": draft_vocab_lm_head(self, self.target_head)}
+        save_dflash_checkpoint(state, self.config.to_dflash_dict(), save_directory, **kwargs)
 
 
 __all__ = ["DMTPDraftModel", "DMTPPreTrainedModel", "FirstCandidateFusion"]

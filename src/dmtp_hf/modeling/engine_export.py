@@ -1,0 +1,110 @@
+"""Checkpoints for serving engines: a DMTP draft and its MTP head as one folder vLLM loads (``dmtp convert --to
+vllm``), and the LM head rows a draft vocabulary needs in any engine folder.
+
+The vLLM folder is the DFlash layout (`io.save_dflash_checkpoint`) plus what DMTP adds, so the ``dmtp-vllm`` plugin
+(``integrations/vllm``) can build the draft from vLLM's own DFlash classes:
+
+* ``config.json``: the DFlash config with ``architectures: ["DFlashDMTPDraftModel"]`` (vLLM keeps a name that starts
+  with ``DFlash`` and looks it up in its model registry, where the plugin registers it),
+  ``eagle_aux_hidden_state_layer_ids`` = the DFlash feature layers (vLLM numbering: ``target_layer_ids + 1``) plus the
+  target's depth (the last layer's output, from which the plugin applies the target's final norm: the hidden the MTP
+  head reads), and ``dmtp_config`` (the fusion, the number of proposals, and ``mtp``: the head's layout);
+* ``model.safetensors``: the DFlash tensors (unprefixed), ``lm_head.weight`` (the target's LM head rows of the draft
+  vocabulary, when there is one), ``fusion.*``, and the head under ``mtp.*`` in the head's own module names, with
+  ``mtp.lm_head.weight`` and ``mtp.token_ids`` when the head predicts over a draft vocabulary.
+
+A draft vocabulary's logits need the target's LM head rows of that vocabulary: vLLM keeps the *first*
+``draft_vocab_size`` rows of a shared LM head and then maps them through ``d2t``, which is right only when the subset
+is the first ids. So every engine folder of a draft with a vocabulary carries its own ``lm_head.weight``
+(`draft_vocab_lm_head`), as EAGLE-3 drafts do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors.torch import save_file
+
+from .draft_vocab import draft_token_ids
+from .io import atomic_directory, backbone_state_dict
+
+if TYPE_CHECKING:
+    from .modeling_dmtp import DMTPDraftModel
+    from .native_mtp.head import NativeMTPHead
+
+__all__ = ["VLLM_ARCHITECTURE", "draft_vocab_lm_head", "save_vllm_draft", "vllm_config"]
+
+VLLM_ARCHITECTURE = "DFlashDMTPDraftModel"
+
+
+def draft_vocab_lm_head(model: torch.nn.Module, lm_head: torch.nn.Module) -> torch.Tensor | None:
+    """The rows of ``lm_head`` (the target's) for ``model``'s draft vocabulary, ``[draft_vocab, H]``; None without a
+    draft vocabulary (engines then share the target's whole LM head)."""
+    if getattr(model, "d2t", None) is None:
+        return None
+    return lm_head.weight.detach()[draft_token_ids(model).to(lm_head.weight.device)].contiguous()
+
+
+def vllm_config(draft: DMTPDraftModel, head: NativeMTPHead) -> dict[str, Any]:
+    """The ``config.json`` of the vLLM folder (see the module docstring)."""
+    config = draft.config
+    if config.num_target_layers is None:
+        raise ValueError("The draft's config has no num_target_layers; bind it to its target before exporting")
+    out = config.to_dflash_dict()
+    out["architectures"] = [VLLM_ARCHITECTURE]
+    out["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in config.target_layer_ids] + [config.num_target_layers]
+    head_config = head.config
+    out["dmtp_config"] = {
+        "anchor_layout": config.anchor_layout,
+        "fusion": config.fusion,
+        "num_candidates": config.num_candidates,
+        "mtp_hidden_size": config.mtp_hidden_size,
+        "mtp": {
+            "layout": head.layout.name,
+            "hidden_input": head.hidden_input,
+            "hidden_first": head.hidden_first,
+            "layer_model_type": head_config.model_type,
+            "draft_vocab_size": None if head.d2t is None else int(head.d2t.numel()),
+        },
+    }
+    return out
+
+
+def save_vllm_draft(
+    draft: DMTPDraftModel, head: NativeMTPHead, save_directory: str | os.PathLike, dtype: torch.dtype | None = None
+) -> None:
+    """Write ``draft`` (bound to its target) and its MTP ``head`` as one folder for vLLM with the ``dmtp-vllm``
+    plugin (see the module docstring)."""
+    config = draft.config
+    if config.anchor_layout != "dual" or config.fusion not in ("residual", "none"):
+        raise ValueError(
+            f"The vLLM plugin runs dual-anchor DMTP drafts with residual (or no) fusion; this draft has "
+            f"anchor_layout={config.anchor_layout!r}, fusion={config.fusion!r}"
+        )
+    if config.backbone != "dflash":
+        raise NotImplementedError("DMTP(D2) drafts need vLLM's DFlash2, which runs on the V2 runner (Triton, GPU)")
+    tensors = backbone_state_dict(draft.state_dict())
+    draft_head = draft_vocab_lm_head(draft, draft.target_head)
+    if draft_head is not None:
+        tensors["lm_head.weight"] = draft_head
+    if draft.fusion is not None:
+        tensors.update({f"fusion.{k}": v.detach() for k, v in draft.fusion.state_dict().items()})
+    for name, tensor in head.state_dict().items():
+        if name not in ("d2t", "t2d") and "rotary_emb" not in name:
+            tensors[f"mtp.{name}"] = tensor.detach()
+    mtp_head = draft_vocab_lm_head(head, head.lm_head)
+    if mtp_head is not None:
+        tensors["mtp.lm_head.weight"] = mtp_head
+        tensors["mtp.token_ids"] = draft_token_ids(head)
+    tensors = {
+        k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous() for k, v in tensors.items()
+    }
+    out = vllm_config(draft, head)
+    if dtype is not None:
+        out["dtype"] = str(dtype).removeprefix("torch.")
+    with atomic_directory(save_directory) as tmp:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
