@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat setup.cfg pyproject.toml | cksum | cut -
 # CPU wheel of torch on CPU machines; the pin is satisfied before any dependency can pull a CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test lint format install clean smollm2 demo-smollm2
+.PHONY: demo test test-vllm lint format install clean smollm2 demo-smollm2
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -31,8 +31,8 @@ demo-smollm2: smollm2
 	$(BIN)/dmtp demo --bundle smollm2
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests scripts
-	$(BIN)/ruff format --check src tests scripts
+	$(BIN)/ruff check src tests scripts integrations
+	$(BIN)/ruff format --check src tests scripts integrations
 
 # One pytest worker per core (`make test TEST_WORKERS=0` runs in one process): the suite is many small,
 # single-threaded decodes, so two workers on two cores take about half the time.
@@ -40,9 +40,14 @@ TEST_WORKERS ?= auto
 test: lint
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
+# The vLLM plugin's tests (integrations/vllm): vLLM's CPU build in its own .venv-vllm, SmolLM2 with the bundled
+# drafts exported for vLLM; about 10 minutes on two cores, the first install a few more.
+test-vllm: smollm2
+	bash integrations/vllm/ci.sh
+
 format: $(STAMP)
-	$(BIN)/ruff format src tests scripts
-	$(BIN)/ruff check --fix src tests scripts
+	$(BIN)/ruff format src tests scripts integrations
+	$(BIN)/ruff check --fix src tests scripts integrations
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache src/*.egg-info

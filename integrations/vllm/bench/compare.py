@@ -1,0 +1,223 @@
+"""Side by side in one engine: vLLM plain, n-gram, DFlash and DMTP (dmtp-vllm) on SmolLM2-135M-Instruct, next to
+Transformers plain ``generate`` and dmtp-hf's own DMTP engine, on the same prompts (``reports/vllm/``).
+
+Every method runs in its own worker process (``vllm_worker.py`` in vLLM's environment, ``hf_worker.py`` in
+dmtp-hf's), started once; the jobs are interleaved (each prompt goes to every method in turn, the order rotating),
+so that machine load hits every column alike. Per dtype (vLLM in fp32 and bf16; Transformers in fp32):
+
+1. every prompt alone (concurrency 1): tokens (lossless = identical to the same engine's plain greedy output, same
+   dtype), acceptance length per verify (``1 + accepted / verify rounds``) and per request, first-candidate
+   acceptance (rounds whose first proposal was accepted), and the time ratio to plain on that prompt;
+2. vLLM only: batches of 4 and 16 prompts submitted together, repeated, tokens per second and the ratio to plain on
+   the same batch (median, min-max).
+
+    .venv/bin/python integrations/vllm/bench/compare.py --limit 10 --max-tokens 128     # after `make test-vllm`
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from dmtp_hf.evaluation.prompts import load_bundled_set, load_prompt_file
+
+REPO = Path(__file__).resolve().parents[3]
+BUNDLE = REPO / "src" / "dmtp_hf" / "bundled" / "models" / "smollm2"
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+HERE = Path(__file__).resolve().parent
+SETS = ["gsm8k", "humaneval", "mt_bench", "alpaca", "heldout_code", "heldout_chat"]
+HELD_OUT = {
+    "heldout_code": "outputs/corpus/bench/code_question.jsonl",
+    "heldout_chat": "outputs/corpus/bench/chat_question.jsonl",
+}
+
+
+class Worker:
+    """A method's worker process; ``run(prompts)`` sends one job and returns its answer."""
+
+    def __init__(self, label: str, command: list[str], env: dict[str, str]):
+        self.label = label
+        self.process = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=REPO
+        )
+        self.read()  # {"ready": true}
+
+    def read(self) -> dict:
+        """The worker's next answer line (its other output is vLLM's logging)."""
+        for line in self.process.stdout:
+            if line.startswith("@@ "):
+                return json.loads(line[3:])
+        raise RuntimeError(f"worker {self.label} exited with code {self.process.wait()}")
+
+    def run(self, prompts: list[dict]) -> dict:
+        """One job: ``prompts`` submitted together."""
+        self.process.stdin.write(json.dumps({"prompts": prompts}) + "\n")
+        self.process.stdin.flush()
+        return self.read()
+
+    def close(self) -> None:
+        """End the worker (its stdin closes) and wait for it."""
+        self.process.stdin.close()
+        self.process.wait(timeout=120)
+
+
+def vllm_env() -> dict[str, str]:
+    """vLLM's CPU backend environment (as integrations/vllm/ci.sh sets it)."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}")
+    preload = [str(p) for p in Path("/usr/lib").glob("*/libtcmalloc_minimal.so.4")][:1]
+    preload += [str(p) for p in (REPO / ".venv-vllm" / "lib").glob("libiomp5.so")]
+    env["LD_PRELOAD"] = " ".join(preload)
+    return env
+
+
+def load_prompts(tokenizer, limit: int, max_tokens: int) -> dict[str, list[dict]]:
+    """The first user turn of the first ``limit`` prompts of each set, as chat-template token ids."""
+    sets = {}
+    for name in SETS:
+        prompt_set = (
+            load_prompt_file(REPO / HELD_OUT[name], name=name, limit=limit)
+            if name in HELD_OUT
+            else load_bundled_set(name, limit=limit)
+        )
+        sets[name] = [
+            {"prompt_token_ids": chat_ids(tokenizer, p.turns[0]), "max_tokens": max_tokens} for p in prompt_set.prompts
+        ]
+    return sets
+
+
+def chat_ids(tokenizer, request: str) -> list[int]:
+    """A one-turn chat's token ids, ready for the assistant's answer."""
+    messages = [{"role": "user", "content": request}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+
+
+def plain_label(label: str, dtype: str) -> str:
+    """The plain-decoding column of the engine a column runs in (its lossless and speed reference)."""
+    return f"vLLM plain {dtype}" if label.startswith("vLLM") else f"Transformers plain {dtype}"
+
+
+def methods(target: str, drafts: Path, dtype: str) -> dict[str, list[str]]:
+    """Worker commands, by column label, for one dtype."""
+    vllm = [str(VLLM_PYTHON), str(HERE / "vllm_worker.py"), "--target", target, "--dtype", dtype]
+    spec = {
+        "n-gram": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
+        "DFlash": {"method": "dflash", "model": str(drafts / "dflash"), "num_speculative_tokens": 7},
+        "DMTP": {"method": "dflash", "model": str(drafts / "dmtp"), "num_speculative_tokens": 7},
+    }
+    out = {f"vLLM plain {dtype}": vllm}
+    out.update({f"vLLM {name} {dtype}": [*vllm, "--speculative-config", json.dumps(c)] for name, c in spec.items()})
+    if dtype == "float32":
+        hf = [sys.executable, str(HERE / "hf_worker.py"), "--target", target]
+        out["Transformers plain float32"] = hf
+        out["dmtp-hf DMTP float32"] = [*hf, "--draft", str(BUNDLE / "dmtp"), "--mtp-head", str(BUNDLE / "mtp_head")]
+    return out
+
+
+def export_drafts(target: str, out: Path) -> None:
+    """The bundled DMTP (with its head) and DFlash drafts as vLLM folders."""
+    common = ["--target", target]
+    dmtp = [sys.executable, "-m", "dmtp_hf.cli", "convert"]
+    head = ["--mtp-head", str(BUNDLE / "mtp_head")]
+    subprocess.run([*dmtp, str(BUNDLE / "dmtp"), str(out / "dmtp"), "--to", "vllm", *head, *common], check=True)
+    subprocess.run([*dmtp, str(BUNDLE / "dflash"), str(out / "dflash"), "--to", "dflash", *common], check=True)
+
+
+def interleaved(workers: dict[str, Worker], jobs: list[list[dict]], rounds: int = 1) -> dict[str, list[dict]]:
+    """Every job on every worker, the method order rotating from job to job; answers by label, in job order."""
+    labels = list(workers)
+    answers: dict[str, list[dict]] = {label: [] for label in labels}
+    for r in range(rounds):
+        for j, job in enumerate(jobs):
+            shift = (j + r) % len(labels)
+            for label in labels[shift:] + labels[:shift]:
+                answers[label].append(workers[label].run(job))
+    return answers
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """Median, min and max."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)} if values else {}
+
+
+def summarize(answers: list[dict], plain: list[dict]) -> dict:
+    """Acceptance and timing of one method over one set's concurrency-1 answers."""
+    drafts = sum(a["drafts"] for a in answers)
+    accepted = sum(a["accepted"] for a in answers)
+    first = sum(a["per_pos"][0] for a in answers if a["per_pos"])
+    tokens = sum(len(t) for a in answers for t in a["tokens"])
+    per_request = [1 + a["accepted"] / a["drafts"] for a in answers if a["drafts"]]
+    return {
+        "requests": len(answers),
+        "lossless": all(a["tokens"] == p["tokens"] for a, p in zip(answers, plain, strict=True)),
+        "tau_per_verify": 1 + accepted / drafts if drafts else None,
+        "tau_per_request": statistics.mean(per_request) if per_request else None,
+        "first_candidate_acceptance": first / drafts if drafts else None,
+        "tokens_per_second": tokens / sum(a["seconds"] for a in answers),
+        "speedup_vs_plain": spread([p["seconds"] / a["seconds"] for a, p in zip(answers, plain, strict=True)]),
+    }
+
+
+def main() -> None:
+    """Run the comparison and write ``results.json`` (the README table comes from it: ``report.py``)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default=str(Path.home() / ".cache" / "dmtp_hf" / "smollm2"))
+    parser.add_argument("--limit", type=int, default=10, help="prompts per set")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--batch-repeats", type=int, default=3)
+    parser.add_argument("--output", type=Path, default=REPO / "reports" / "vllm" / "results.json")
+    args = parser.parse_args()
+    drafts = args.output.parent / "drafts"
+    export_drafts(args.target, drafts)
+    sets = load_prompts(AutoTokenizer.from_pretrained(args.target), args.limit, args.max_tokens)
+    results: dict = {"settings": vars(args) | {"output": str(args.output), "cpu_count": os.cpu_count()}, "runs": {}}
+    started = time.time()
+    for dtype in args.dtypes.split(","):
+        workers = {}
+        for label, command in methods(args.target, drafts, dtype).items():
+            print(f"starting {label}", flush=True)
+            env = vllm_env() if command[0] == str(VLLM_PYTHON) else dict(os.environ)
+            workers[label] = Worker(label, command, env)
+        per_set = {}
+        for name, prompts in sets.items():
+            print(f"{dtype} {name}: {len(prompts)} prompts", flush=True)
+            answers = interleaved(workers, [[p] for p in prompts])
+            per_set[name] = {}
+            for label in workers:
+                per_set[name][label] = summarize(answers[label], answers[plain_label(label, dtype)])
+        batches = {}
+        pool = [p for prompts in sets.values() for p in prompts]
+        vllm_workers = {k: w for k, w in workers.items() if k.startswith("vLLM")}
+        for size in (4, 16):
+            jobs = [pool[i : i + size] for i in range(0, len(pool) - size + 1, size)][: args.batch_repeats]
+            answers = interleaved(vllm_workers, jobs)
+            plain = answers[f"vLLM plain {dtype}"]
+            batches[size] = {
+                label: {
+                    "lossless": all(a["tokens"] == p["tokens"] for a, p in zip(got, plain, strict=True)),
+                    "tokens_per_second": spread([sum(map(len, a["tokens"])) / a["seconds"] for a in got]),
+                    "speedup_vs_plain": spread([p["seconds"] / a["seconds"] for a, p in zip(got, plain, strict=True)]),
+                    "tau_per_verify": 1 + sum(a["accepted"] for a in got) / max(1, sum(a["drafts"] for a in got)),
+                }
+                for label, got in answers.items()
+            }
+        for worker in workers.values():
+            worker.close()
+        results["runs"][dtype] = {"concurrency_1": per_set, "batches": batches}
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(results, indent=1) + "\n")
+    results["wall_seconds"] = time.time() - started
+    args.output.write_text(json.dumps(results, indent=1) + "\n")
+    print(f"wrote {args.output} in {results['wall_seconds'] / 60:.1f} min")
+
+
+if __name__ == "__main__":
+    main()
