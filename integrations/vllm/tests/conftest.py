@@ -102,9 +102,9 @@ def hf_reference(tmp_path_factory, target, prompts) -> list[dict]:
     return json.loads((out / "reference.json").read_text())
 
 
-def make_engine(target: Path, speculative_config: dict | None, max_num_seqs: int = 16):
-    """A small fp32 vLLM engine on this CPU (prefix caching on; eager: compiling costs minutes on two cores, and
-    the benchmark runs the compiled default)."""
+def make_engine(target: Path, speculative_config: dict | None, max_num_seqs: int = 16, eager: bool = True):
+    """A small fp32 vLLM engine on this CPU (prefix caching on). ``eager``: no torch.compile, which costs a minute
+    or more per engine on two cores; the acceptance test runs vLLM's compiled default."""
     from vllm import LLM
 
     return LLM(
@@ -116,7 +116,7 @@ def make_engine(target: Path, speculative_config: dict | None, max_num_seqs: int
         enable_prefix_caching=True,
         speculative_config=speculative_config,
         seed=0,
-        enforce_eager=True,
+        enforce_eager=eager,
         disable_log_stats=False,  # the speculative-decoding counters
     )
 

@@ -29,7 +29,7 @@ from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import ReplicatedLinear
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.llama import LlamaDecoderLayer
-from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
+from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM, DFlashQwen3Model
 from vllm.model_executor.models.utils import maybe_prefix
 
 __all__ = ["ARCHITECTURE", "DFlashDMTPDraftModel", "FirstCandidateFusion", "MTPHead"]
@@ -89,10 +89,38 @@ class FirstCandidateFusion(nn.Module):
             hidden_size + mtp_hidden_size, hidden_size, bias=False, prefix=f"{prefix}.proj", return_bias=False
         )
 
-    def forward(self, t1_embeds: torch.Tensor, mtp_hidden: torch.Tensor) -> torch.Tensor:
-        """``t1_embeds`` ``[B, H]``, ``mtp_hidden`` ``[B, H_mtp]`` (the g that predicted T1) -> ``[B, H]``."""
+    def residual(self, t1_embeds: torch.Tensor, mtp_hidden: torch.Tensor) -> torch.Tensor:
+        """What the fusion adds to ``E(T1)``: ``t1_embeds`` ``[B, H]``, ``mtp_hidden`` ``[B, H_mtp]`` (the g that
+        predicted T1) -> ``[B, H]``."""
         normed = torch.cat([self.embedding_norm(t1_embeds), self.mtp_norm(mtp_hidden.to(t1_embeds.dtype))], dim=-1)
-        return t1_embeds + self.proj(normed)
+        return self.proj(normed)
+
+    def forward(self, t1_embeds: torch.Tensor, mtp_hidden: torch.Tensor) -> torch.Tensor:
+        """``E(T1) + residual``: the T1 slot's input ``[B, H]``."""
+        return t1_embeds + self.residual(t1_embeds, mtp_hidden)
+
+
+class DMTPBlockModel(DFlashQwen3Model):
+    """vLLM's DFlash block model whose input embeddings add ``slot_residual`` (the fusion's term at the T1 slots,
+    zero elsewhere). The proposer fills it before each block pass and writes T1 into the T1 slots' ids: the block
+    then reads ``E(T1) + fusion residual`` there. A buffer, not an ``inputs_embeds`` argument, because vLLM compiles
+    this forward once (traced without ``inputs_embeds``) and replays that graph."""
+
+    def __init__(self, *, vllm_config: VllmConfig, start_layer_id: int = 0, prefix: str = ""):
+        super().__init__(vllm_config=vllm_config, start_layer_id=start_layer_id, prefix=prefix)
+        spec = vllm_config.speculative_config
+        rows = vllm_config.scheduler_config.max_num_seqs * (1 + spec.num_speculative_tokens)
+        rows += vllm_config.compilation_config.max_cudagraph_capture_size or 0
+        self.register_buffer(
+            "slot_residual",
+            torch.zeros(rows, self.config.hidden_size, dtype=vllm_config.model_config.dtype),
+            persistent=False,
+        )
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """DFlash's embeddings plus the T1 slots' fusion residual."""
+        embeds = super().embed_input_ids(input_ids)
+        return embeds + self.slot_residual[: input_ids.shape[0]].to(embeds.dtype)
 
 
 class MTPHead(nn.Module):
@@ -147,6 +175,8 @@ class MTPHead(nn.Module):
 
 class DFlashDMTPDraftModel(DFlashQwen3ForCausalLM):
     """vLLM's DFlash draft plus the MTP head and the first-candidate fusion (module docstring)."""
+
+    model_cls = DMTPBlockModel
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__(vllm_config=vllm_config, prefix=prefix)

@@ -11,7 +11,7 @@ captured hidden states, and each request's bonus token (``next_token_ids``). For
    slots are written too and overwritten once those positions hold real tokens, as for every vLLM drafter.
 2. **The block.** vLLM's DFlash pass (`DFlashProposer`): the context K/V of the processed positions from the
    captured feature layers, then one non-causal pass over ``[bonus, T1 slot, MASK x (K-1)]``, where the T1 slot's
-   input is ``fusion(E(T1), g)``.
+   input is ``fusion(E(T1), g)`` (T1's id in the slot, the fusion's residual added to its embedding).
 3. **Proposals.** ``[T1, block slots 2..K]``: K = ``num_speculative_tokens`` (7 for drafts trained with 8-slot
    blocks). vLLM's rejection sampler verifies them, so the output is the target's (greedy: token-identical).
 
@@ -135,22 +135,22 @@ class DMTPProposer(DFlashProposer):
             num_tokens=num_tokens,
             slot_mapping={name: slots for name in self._draft_attn_layer_names},
         ):
-            g = head(self.model.embed_input_ids(pair_tokens), hidden, target_positions)  # [N, H]
+            g = head(self.model.model.embed_tokens(pair_tokens), hidden, target_positions)  # [N, H]
         g = g[token_indices_to_sample]  # [B, H]: predicts the token after each bonus
         return head.greedy(g, self._target_lm_head), g
 
-    def build_model_inputs_first_pass(
-        self, num_tokens: int, num_input_tokens: int, mm_embed_inputs: Any
-    ) -> tuple[dict[str, Any], int]:
-        """DFlash's block inputs with the T1 slot of every request replaced by ``fusion(E(T1), g)``."""
-        kwargs, size = super().build_model_inputs_first_pass(num_tokens, num_input_tokens, mm_embed_inputs)
+    def set_inputs_first_pass(self, *args: Any, **kwargs: Any) -> tuple[int, torch.Tensor, Any]:
+        """DFlash's block inputs, then every request's T1 slot: T1's id, and the fusion residual of ``(E(T1), g)``
+        in the block model's ``slot_residual`` (zero on every other row)."""
+        num_tokens, token_indices_to_sample, cad = super().set_inputs_first_pass(*args, **kwargs)
         assert self._first_candidate is not None
         t1, g = self._first_candidate
-        embeds = self.model.embed_input_ids(kwargs["input_ids"])  # [B * (K + 1) (+ padding), H], request-major
-        t1_embeds = self.model.embed_input_ids(t1)
+        block = self.model.model
+        rows = torch.arange(t1.shape[0], device=t1.device) * (1 + self.num_speculative_tokens) + 1  # [B]
+        self.input_ids[rows] = t1.to(self.input_ids.dtype)
+        block.slot_residual[:num_tokens].zero_()
         if self.model.fusion is not None:
-            t1_embeds = self.model.fusion(t1_embeds, g)
-        rows = torch.arange(t1.shape[0], device=embeds.device) * (1 + self.num_speculative_tokens) + 1
-        embeds[rows] = t1_embeds.to(embeds.dtype)
-        kwargs["inputs_embeds"] = embeds
-        return kwargs, size
+            block.slot_residual[rows] = self.model.fusion.residual(block.embed_tokens(t1), g).to(
+                block.slot_residual.dtype
+            )
+        return num_tokens, token_indices_to_sample, cad
