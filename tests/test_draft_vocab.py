@@ -229,3 +229,47 @@ def test_a_dflash2_draft_over_a_draft_vocabulary_walks_subset_tokens_and_stays_l
         assert torch.equal(out, plain), layout
         first = 0 if layout else 1  # DMTP's T1 is the native head's
         assert recorder.proposals and all(torch.isin(p[:, first:], subset).all() for p in recorder.proposals)
+
+
+def test_engine_folders_carry_the_vocabularys_lm_head_rows_and_the_vllm_folder_the_head(tmp_path, targets):
+    """A DFlash folder of a draft with a vocabulary holds the target LM head's rows of that vocabulary (vLLM keeps
+    the first rows of a shared head otherwise), and refuses to be written unbound; the vLLM DMTP folder holds the
+    DFlash tensors, the fusion, the head (with its own vocabulary's rows and ids) and the captured layers."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from dmtp_hf.modeling.engine_export import save_vllm_draft
+    from dmtp_hf.modeling.native_mtp import new_mtp_head
+
+    target = targets["qwen3_5"]
+    vocab, layers = target.config.vocab_size, target.config.num_hidden_layers
+    generator = torch.Generator().manual_seed(2)
+    head = new_mtp_head(target)
+    head.use_draft_vocabulary(vocab // 2)
+    set_draft_vocabulary(head, torch.randperm(vocab, generator=generator)[: vocab // 2])
+    draft = draft_for(target, draft_vocab_size=vocab // 4)
+    set_draft_vocabulary(draft, torch.randperm(vocab, generator=generator)[: vocab // 4])
+    dflash = draft_for(target, draft_vocab_size=vocab // 4, anchor_layout="dflash", fusion="none")
+    set_draft_vocabulary(dflash, draft_token_ids(draft))
+    dflash.save_pretrained(tmp_path / "dmtp-layout")
+    with pytest.raises(ValueError, match="bind the draft first"):
+        DMTPDraftModel.from_pretrained(tmp_path / "dmtp-layout").save_dflash(tmp_path / "unbound")
+    dflash.save_dflash(tmp_path / "dflash")
+    rows = target.get_output_embeddings().weight.detach()
+    saved = load_file(tmp_path / "dflash" / "model.safetensors")
+    assert torch.equal(saved["lm_head.weight"], rows[draft_token_ids(dflash)])
+
+    draft.bind(target, native_mtp=head)
+    save_vllm_draft(draft, head, tmp_path / "vllm")
+    saved = load_file(tmp_path / "vllm" / "model.safetensors")
+    config = json.loads((tmp_path / "vllm" / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDMTPDraftModel"] and config["model_type"] == "qwen3"
+    assert config["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in draft.config.target_layer_ids] + [layers]
+    assert config["dmtp_config"]["mtp"]["draft_vocab_size"] == vocab // 2
+    assert torch.equal(saved["lm_head.weight"], rows[draft_token_ids(draft)])
+    assert torch.equal(saved["mtp.lm_head.weight"], rows[draft_token_ids(head)])
+    assert torch.equal(saved["mtp.token_ids"], draft_token_ids(head))
+    assert torch.equal(saved["fusion.proj.weight"], draft.fusion.proj.weight)
+    assert torch.equal(saved["mtp.projection.weight"], head.projection.weight)
+    assert not any(k.startswith("fusion.") for k in load_file(tmp_path / "dflash" / "model.safetensors"))

@@ -23,24 +23,21 @@ from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
+from torch import nn
 
 from .draft_vocab import draft_token_ids
 from .io import atomic_directory, backbone_state_dict
 
-if TYPE_CHECKING:
-    from .modeling_dmtp import DMTPDraftModel
-    from .native_mtp.head import NativeMTPHead
-
-__all__ = ["VLLM_ARCHITECTURE", "draft_vocab_lm_head", "save_vllm_draft", "vllm_config"]
+__all__ = ["VLLM_ARCHITECTURE", "dflash_state_dict", "draft_vocab_lm_head", "save_vllm_draft", "vllm_config"]
 
 VLLM_ARCHITECTURE = "DFlashDMTPDraftModel"
 
 
-def draft_vocab_lm_head(model: torch.nn.Module, lm_head: torch.nn.Module) -> torch.Tensor | None:
+def draft_vocab_lm_head(model: nn.Module, lm_head: nn.Module) -> torch.Tensor | None:
     """The rows of ``lm_head`` (the target's) for ``model``'s draft vocabulary, ``[draft_vocab, H]``; None without a
     draft vocabulary (engines then share the target's whole LM head)."""
     if getattr(model, "d2t", None) is None:
@@ -48,7 +45,21 @@ def draft_vocab_lm_head(model: torch.nn.Module, lm_head: torch.nn.Module) -> tor
     return lm_head.weight.detach()[draft_token_ids(model).to(lm_head.weight.device)].contiguous()
 
 
-def vllm_config(draft: DMTPDraftModel, head: NativeMTPHead) -> dict[str, Any]:
+def dflash_state_dict(draft: nn.Module) -> dict[str, torch.Tensor]:
+    """A DMTP draft's tensors for a DFlash folder: its state dict, plus ``lm_head.weight`` (the target's rows of its
+    draft vocabulary) when it has one, which needs the draft bound to its target."""
+    state = draft.state_dict()
+    if draft.d2t is None:
+        return state
+    if draft.get_input_embeddings() is None:  # unbound
+        raise ValueError(
+            "This draft predicts over a draft vocabulary, whose LM head rows engines read from the draft folder and "
+            "which come from the target: bind the draft first (`dmtp convert ... --target DIR`)"
+        )
+    return {**state, "lm_head.weight": draft_vocab_lm_head(draft, draft.target_head)}
+
+
+def vllm_config(draft: nn.Module, head: nn.Module) -> dict[str, Any]:
     """The ``config.json`` of the vLLM folder (see the module docstring)."""
     config = draft.config
     if config.num_target_layers is None:
@@ -74,10 +85,10 @@ def vllm_config(draft: DMTPDraftModel, head: NativeMTPHead) -> dict[str, Any]:
 
 
 def save_vllm_draft(
-    draft: DMTPDraftModel, head: NativeMTPHead, save_directory: str | os.PathLike, dtype: torch.dtype | None = None
+    draft: nn.Module, head: nn.Module, save_directory: str | os.PathLike, dtype: torch.dtype | None = None
 ) -> None:
-    """Write ``draft`` (bound to its target) and its MTP ``head`` as one folder for vLLM with the ``dmtp-vllm``
-    plugin (see the module docstring)."""
+    """Write ``draft`` (a `DMTPDraftModel` bound to its target) and its MTP ``head`` (a `NativeMTPHead`) as one
+    folder for vLLM with the ``dmtp-vllm`` plugin (see the module docstring)."""
     config = draft.config
     if config.anchor_layout != "dual" or config.fusion not in ("residual", "none"):
         raise ValueError(
@@ -86,10 +97,7 @@ def save_vllm_draft(
         )
     if config.backbone != "dflash":
         raise NotImplementedError("DMTP(D2) drafts need vLLM's DFlash2, which runs on the V2 runner (Triton, GPU)")
-    tensors = backbone_state_dict(draft.state_dict())
-    draft_head = draft_vocab_lm_head(draft, draft.target_head)
-    if draft_head is not None:
-        tensors["lm_head.weight"] = draft_head
+    tensors = backbone_state_dict(dflash_state_dict(draft))
     if draft.fusion is not None:
         tensors.update({f"fusion.{k}": v.detach() for k, v in draft.fusion.state_dict().items()})
     for name, tensor in head.state_dict().items():

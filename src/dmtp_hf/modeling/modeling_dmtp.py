@@ -40,7 +40,7 @@ from .binding import UNBOUND_ASSISTANT, bind_draft, bound_native_mtp
 from .configuration_dmtp import DMTPConfig, require_local_directory
 from .dflash2 import CandidateSelector, GroupedDynamicCausalConv
 from .draft_vocab import draft_logits, register_draft_vocabulary
-from .engine_export import draft_vocab_lm_head
+from .engine_export import dflash_state_dict
 from .fusion import FirstCandidateFusion
 from .io import check_finite, check_loading_info, save_dflash_checkpoint
 
@@ -491,15 +491,7 @@ class DMTPDraftModel(DMTPPreTrainedModel):
                 "This draft has trained fusion weights; the DFlash layout cannot store them. "
                 "Use save_pretrained() for the DMTP layout."
             )
-        state = self.state_dict()
-        if self.d2t is not None:
-            if self._target is None:
-                raise ValueError(
-                    "This draft predicts over a draft vocabulary, whose LM head rows engines read from the draft "
-                    "folder and which come from the target: bind the draft first (`dmtp convert ... --target DIR`)"
-                )
-            state = {**state, "lm_head.weight": draft_vocab_lm_head(self, self.target_head)}
-        save_dflash_checkpoint(state, self.config.to_dflash_dict(), save_directory, **kwargs)
+        save_dflash_checkpoint(dflash_state_dict(self), self.config.to_dflash_dict(), save_directory, **kwargs)
 
 
 __all__ = ["DMTPDraftModel", "DMTPPreTrainedModel", "FirstCandidateFusion"]

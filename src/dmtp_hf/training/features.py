@@ -138,6 +138,30 @@ class FeatureExtractor:
             features.update(self.mtp_features(input_ids, last_hidden))
         return features
 
+    def batch_features(
+        self, batch: dict[str, torch.Tensor], *, trains_head: bool, has_head: bool
+    ) -> dict[str, torch.Tensor]:
+        """The features of a collated batch: read from offline shards when the batch carries them (refused by name
+        when they lack what this extractor would compute), else computed by `__call__`. The head's inputs must be
+        there when the head is trained (``trains_head``), or when a head exists (``has_head``) and the shards hold
+        none of its outputs (the trainer then runs it)."""
+        if "context" not in batch and "head_hidden" not in batch:
+            return self(batch["input_ids"], batch["attention_mask"])
+        features = {k: batch[k] for k in FEATURE_KEYS if k in batch}
+        if self.target_labels and "target_next" not in features:
+            raise ValueError(
+                "labels: target needs the target's own tokens, which these offline features lack: extract them "
+                "with `dmtp extract --target-labels`"
+            )
+        if not self.target_labels:
+            features.pop("target_next", None)  # labels: text
+        needs_head_inputs = trains_head or (has_head and "mtp_hidden" not in features)
+        if needs_head_inputs and "head_hidden" not in features:
+            raise ValueError("These offline features hold no MTP head inputs: extract them with --head-inputs")
+        if self.final_hidden and "final_hidden" not in features:
+            features["final_hidden"] = offline_final_hidden(features, self.hidden_input)
+        return features
+
     @torch.no_grad()
     def greedy_next(self, final_hidden: torch.Tensor) -> torch.Tensor:
         """``[B, S]`` argmax of the target's LM head over its post-norm hidden ``[B, S, H]``, ``token_chunk``

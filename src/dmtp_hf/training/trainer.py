@@ -36,7 +36,7 @@ from ..modeling.draft_vocab import frequency_ranked_vocabulary, set_draft_vocabu
 from .checkpoints import CheckpointMixin, weights_only_checkpoint
 from .config import TrainConfig
 from .data import collate, load_dataset_records, mixed_dataset, parse_mix_item, synthetic_greedy_dataset
-from .features import FEATURE_KEYS, FeatureExtractor, freeze, load_target, offline_final_hidden, teacher_labels
+from .features import FeatureExtractor, freeze, load_target, teacher_labels
 from .interruptions import GracefulStop, TrainingInterrupted
 from .models import build_draft, build_mtp_head, wrap_lora
 from .mtp_objective import JointObjective, MTPHeadObjective, mtp_positions
@@ -274,24 +274,8 @@ class Trainer(CheckpointMixin):
         """Collate, compute (or read) the frozen features and plan the blocks of one micro-batch."""
         device = self.accelerator.device
         batch = {k: v.to(device) for k, v in collate(samples).items()}
-        if "context" in batch or "head_hidden" in batch:  # offline features
-            features = {k: batch[k] for k in FEATURE_KEYS if k in batch}
-            if self.config.labels == "target" and "target_next" not in features:
-                raise ValueError(
-                    "labels: target needs the target's own tokens, which these offline features lack: extract them "
-                    "with `dmtp extract --target-labels`"
-                )
-            if self.config.labels == "text":
-                features.pop("target_next", None)
-            needs_head_inputs = self.config.train_mtp_head != "frozen" or (
-                self.mtp_head is not None and "mtp_hidden" not in features
-            )
-            if needs_head_inputs and "head_hidden" not in features:
-                raise ValueError("These offline features hold no MTP head inputs: extract them with --head-inputs")
-            if self.extractor.final_hidden and "final_hidden" not in features:
-                features["final_hidden"] = offline_final_hidden(features, self.config.mtp_hidden_input)
-        else:
-            features = self.extractor(batch["input_ids"], batch["attention_mask"])
+        trains_head = self.config.train_mtp_head != "frozen"
+        features = self.extractor.batch_features(batch, trains_head=trains_head, has_head=self.mtp_head is not None)
         inputs = {"input_ids": batch["input_ids"], "loss_mask": batch["loss_mask"], **features}
         if self.config.train_mtp_head != "only":
             inputs["plan"] = plan = plan_blocks(
