@@ -23,7 +23,7 @@ if [ -z "$TCMALLOC" ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; th
   apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1 || true
   TCMALLOC=$(ls /usr/lib/*/libtcmalloc_minimal.so.4 2>/dev/null | head -1 || true)
 fi
-IOMP=$(ls "$VENV"/lib/libiomp5.so 2>/dev/null || true)
+IOMP=$(ls "$(cd "$VENV" && pwd)"/lib/libiomp5.so 2>/dev/null || true)
 export LD_PRELOAD="${TCMALLOC:+$TCMALLOC }${IOMP}"
 export VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-0-$(( $(nproc) - 1 ))} HF_HUB_OFFLINE=1
 export DMTP_HF_PYTHON=${DMTP_HF_PYTHON:-$PWD/.venv/bin/python}
