@@ -175,7 +175,7 @@ def main() -> None:
     parser.add_argument("--batch-repeats", type=int, default=3)
     parser.add_argument("--output", type=Path, default=REPO / "reports" / "vllm" / "results.json")
     args = parser.parse_args()
-    drafts = args.output.parent / "drafts"
+    drafts = REPO / "outputs" / "vllm" / "drafts"  # exported fp32 folders (tens of MB): not committed
     export_drafts(args.target, drafts)
     sets = load_prompts(AutoTokenizer.from_pretrained(args.target), args.limit, args.max_tokens)
     results: dict = {"settings": vars(args) | {"output": str(args.output), "cpu_count": os.cpu_count()}, "runs": {}}
@@ -198,6 +198,8 @@ def main() -> None:
         vllm_workers = {k: w for k, w in workers.items() if k.startswith("vLLM")}
         for size in (4, 16):
             jobs = [pool[i : i + size] for i in range(0, len(pool) - size + 1, size)][: args.batch_repeats]
+            if not jobs:
+                continue
             answers = interleaved(vllm_workers, jobs)
             plain = answers[f"vLLM plain {dtype}"]
             batches[size] = {

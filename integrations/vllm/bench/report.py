@@ -1,0 +1,87 @@
+"""``reports/vllm/README.md`` tables from ``results.json`` (written by ``compare.py``); numbers are never typed.
+
+.venv/bin/python integrations/vllm/bench/report.py reports/vllm/results.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+SET_NAMES = {
+    "gsm8k": "GSM8K",
+    "humaneval": "HumanEval",
+    "mt_bench": "MT-Bench",
+    "alpaca": "Alpaca",
+    "heldout_code": "held-out code",
+    "heldout_chat": "held-out chat",
+}
+
+
+def number(value: float | None, digits: int = 2, suffix: str = "") -> str:
+    """A table cell (an em dash where the method has no value, e.g. tau of plain decoding)."""
+    return "—" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def concurrency_1_table(per_set: dict) -> list[str]:
+    """Rows: methods; per set: tau per verify / first-candidate acceptance / speedup (median) / lossless."""
+    sets = list(per_set)
+    methods = list(per_set[sets[0]])
+    lines = [
+        "| method | " + " | ".join(SET_NAMES.get(s, s) for s in sets) + " |",
+        "|---|" + "---|" * len(sets),
+    ]
+    for method in methods:
+        cells = []
+        for s in sets:
+            r = per_set[s][method]
+            first = None if r["first_candidate_acceptance"] is None else 100 * r["first_candidate_acceptance"]
+            cells.append(
+                f"{number(r['tau_per_verify'])} / {number(first, 0, '%')} / "
+                f"{number(r['speedup_vs_plain'].get('median'), 2, 'x')}{'' if r['lossless'] else ' **not lossless**'}"
+            )
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def batch_table(batches: dict) -> list[str]:
+    """Rows: methods; per batch size: tokens/s (median) and the ratio to plain (median, min-max)."""
+    sizes = list(batches)
+    methods = list(batches[sizes[0]])
+    lines = [
+        "| method | " + " | ".join(f"{size} requests: tokens/s, × plain (min-max)" for size in sizes) + " |",
+        "|---|" + "---|" * len(sizes),
+    ]
+    for method in methods:
+        cells = []
+        for size in sizes:
+            r = batches[size][method]
+            ratio, rate = r["speedup_vs_plain"], r["tokens_per_second"]
+            if not ratio:  # fewer prompts than one batch of this size
+                cells.append("—")
+                continue
+            cell = f"{rate['median']:.1f}, {ratio['median']:.2f}x ({ratio['min']:.2f}-{ratio['max']:.2f})"
+            cells.append(cell + ("" if r["lossless"] else " **not lossless**"))
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def main() -> None:
+    """Print the tables of a results file (markdown)."""
+    results = json.loads(Path(sys.argv[1]).read_text())
+    settings = results["settings"]
+    print(
+        f"Settings: {settings['limit']} prompts per set, {settings['max_tokens']} new tokens, greedy; "
+        f"{settings['cpu_count']} CPU cores; wall time {results.get('wall_seconds', 0) / 60:.0f} min.\n"
+    )
+    for dtype, run in results["runs"].items():
+        print(f"### {dtype}: one request at a time\n")
+        print("τ per verify / first-candidate acceptance / time ratio to the same engine's plain decoding (median)\n")
+        print("\n".join(concurrency_1_table(run["concurrency_1"])) + "\n")
+        print(f"### {dtype}: requests submitted together (vLLM)\n")
+        print("\n".join(batch_table(run["batches"])) + "\n")
+
+
+if __name__ == "__main__":
+    main()
