@@ -43,10 +43,16 @@ HELD_OUT = {
 class Worker:
     """A method's worker process; ``run(prompts)`` sends one job and returns its answer."""
 
-    def __init__(self, label: str, command: list[str], env: dict[str, str]):
+    def __init__(self, label: str, command: list[str], env: dict[str, str], cores: set[int]):
         self.label = label
         self.process = subprocess.Popen(
-            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=REPO
+            command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=REPO,
+            preexec_fn=lambda: os.sched_setaffinity(0, cores),  # every thread it starts inherits the cores
         )
         self.read()  # {"ready": true}
 
@@ -69,9 +75,19 @@ class Worker:
         self.process.wait(timeout=120)
 
 
-def vllm_env() -> dict[str, str]:
-    """vLLM's CPU backend environment (as integrations/vllm/ci.sh sets it)."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}")
+def parse_cores(spec: str) -> set[int]:
+    """``"1"``, ``"0-1"`` or ``"0,2-3"`` -> the set of core ids."""
+    cores: set[int] = set()
+    for part in spec.split(","):
+        first, _, last = part.partition("-")
+        cores.update(range(int(first), int(last or first) + 1))
+    return cores
+
+
+def vllm_env(cores: set[int]) -> dict[str, str]:
+    """vLLM's CPU backend environment (as integrations/vllm/ci.sh sets it), its OpenMP threads bound to ``cores``."""
+    bind = ",".join(map(str, sorted(cores)))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND=bind)
     preload = [str(p) for p in Path("/usr/lib").glob("*/libtcmalloc_minimal.so.4")][:1]
     preload += [str(p) for p in (REPO / ".venv-vllm" / "lib").glob("libiomp5.so")]
     env["LD_PRELOAD"] = " ".join(preload)
@@ -104,7 +120,7 @@ def plain_label(label: str, dtype: str) -> str:
     return f"vLLM plain {dtype}" if label.startswith("vLLM") else f"Transformers plain {dtype}"
 
 
-def methods(target: str, drafts: Path, dtype: str) -> dict[str, list[str]]:
+def methods(target: str, drafts: Path, dtype: str, threads: int) -> dict[str, list[str]]:
     """Worker commands, by column label, for one dtype."""
     vllm = [str(VLLM_PYTHON), str(HERE / "vllm_worker.py"), "--target", target, "--dtype", dtype]
     spec = {
@@ -115,7 +131,7 @@ def methods(target: str, drafts: Path, dtype: str) -> dict[str, list[str]]:
     out = {f"vLLM plain {dtype}": vllm}
     out.update({f"vLLM {name} {dtype}": [*vllm, "--speculative-config", json.dumps(c)] for name, c in spec.items()})
     if dtype == "float32":
-        hf = [sys.executable, str(HERE / "hf_worker.py"), "--target", target]
+        hf = [sys.executable, str(HERE / "hf_worker.py"), "--target", target, "--threads", str(threads)]
         out["Transformers plain float32"] = hf
         out["dmtp-hf DMTP float32"] = [*hf, "--draft", str(BUNDLE / "dmtp"), "--mtp-head", str(BUNDLE / "mtp_head")]
     return out
@@ -174,7 +190,13 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--batch-repeats", type=int, default=3)
     parser.add_argument("--output", type=Path, default=REPO / "reports" / "vllm" / "results.json")
+    parser.add_argument(
+        "--cores",
+        default=f"0-{os.cpu_count() - 1}",
+        help="the cores every worker runs on (1: leave core 0 to a training job); one thread per core in each engine",
+    )
     args = parser.parse_args()
+    cores = parse_cores(args.cores)
     drafts = REPO / "outputs" / "vllm" / "drafts"  # exported fp32 folders (tens of MB): not committed
     export_drafts(args.target, drafts)
     sets = load_prompts(AutoTokenizer.from_pretrained(args.target), args.limit, args.max_tokens)
@@ -182,10 +204,10 @@ def main() -> None:
     started = time.time()
     for dtype in args.dtypes.split(","):
         workers = {}
-        for label, command in methods(args.target, drafts, dtype).items():
+        for label, command in methods(args.target, drafts, dtype, len(cores)).items():
             print(f"starting {label}", flush=True)
-            env = vllm_env() if command[0] == str(VLLM_PYTHON) else dict(os.environ)
-            workers[label] = Worker(label, command, env)
+            env = vllm_env(cores) if command[0] == str(VLLM_PYTHON) else dict(os.environ)
+            workers[label] = Worker(label, command, env, cores)
         per_set = {}
         for name, prompts in sets.items():
             print(f"{dtype} {name}: {len(prompts)} prompts", flush=True)
