@@ -118,14 +118,19 @@ def accept(verdict, candidates: torch.Tensor, scores: torch.Tensor, batch: Activ
 def prefill(runner: TargetRunner, input_ids, attention_mask, max_length: int, stopping: RowStopping, logits_processor,
             do_sample: bool, rollback: str, streamer, outputs: StepOutputs | None = None):  # fmt: skip
     """The target over the prompt and the first generated token: ``(batch, drafter start step, target cache
-    state)``; rows that end with the first token are marked finished."""
+    state)``; rows that end with the first token are marked finished.
+
+    A cache that already holds the first ``c`` prompt tokens (a continued conversation) is continued, as plain
+    ``generate`` does: the target runs over the uncached tail only, and the drafter starts from the tail's features
+    (the draft never saw the cached turns, which changes only how much it gets accepted)."""
     prompt_mask = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
     positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)  # per-row positions under left padding
     prompt_lengths = prompt_mask.sum(-1)
-    lengths_host = prompt_lengths.tolist()
-    padded = min(lengths_host) < input_ids.shape[1]
+    padded = bool((prompt_lengths < input_ids.shape[1]).any())
+    cached = cached_prompt_length(runner.cache, input_ids.shape[1])
+    tail_ids, tail_positions, tail_mask = input_ids[:, cached:], positions[:, cached:], prompt_mask[:, cached:]
     logits, features, mtp_hidden = runner.forward(
-        input_ids, positions, attention_mask if padded else None, logits_to_keep=1
+        tail_ids, tail_positions, attention_mask if padded else None, logits_to_keep=1
     )
     scores = process_logits(logits[:, -1], input_ids, logits_processor)  # the prompt is the processors' exact input
     first = select_tokens(scores, do_sample)
@@ -134,10 +139,23 @@ def prefill(runner: TargetRunner, input_ids, attention_mask, max_length: int, st
     batch.stop(stopping.after_prefill(batch, scores))
     if streamer is not None:
         streamer.put(input_ids.cpu()), streamer.put(first.cpu())
-    next_tokens = torch.cat([input_ids[:, 1:], first[:, None]], dim=1)
-    step = TargetStep(positions, next_tokens, prompt_mask if padded else None, mtp_hidden, features,
-                      lengths_host if padded else None)  # fmt: skip
+    next_tokens = torch.cat([input_ids[:, 1:], first[:, None]], dim=1)[:, cached:]
+    tail_lengths = tail_mask.sum(-1).tolist() if padded else None
+    step = TargetStep(tail_positions, next_tokens, tail_mask if padded else None, mtp_hidden, features, tail_lengths)
     return batch, step, TargetCacheState(runner.target, runner.cache, prompt_mask, rollback, runner.replay)
+
+
+def cached_prompt_length(cache: Cache, prompt_length: int) -> int:
+    """How many leading prompt tokens ``cache`` already holds (0 for a new cache). As in plain ``generate``, the
+    prompt is the whole conversation so far: the cached tokens, then at least one new one."""
+    cached = cache.get_seq_length() if not all(cache.is_linear) else 0
+    if cached >= prompt_length:
+        raise ValueError(
+            f"The cache passed to generate already holds {cached} positions, but input_ids has {prompt_length} "
+            "tokens: pass the whole conversation so far as input_ids (the cached tokens, then the new ones), as plain "
+            "generate expects with a cache."
+        )
+    return cached
 
 
 def report(requests: list[RequestStats], rows: list[int], host: RoundHost, round_: Accepted, streamer) -> None:

@@ -22,7 +22,7 @@ from .decoding import speculative_decode
 from .drafters import DFlashDrafter, DMTPDrafter, Drafter, MTPDrafter
 from .options import check_generate_options
 from .stats import SpecStats
-from .target_cache import new_static_cache, static_capacity
+from .target_cache import new_static_cache, refill_in_plain_layout, static_capacity
 
 ROUTER_ORIGINAL = "_dmtp_original_generate"  # where the router keeps a target's own `generate`
 
@@ -101,9 +101,11 @@ def engine_kwargs(target, drafter: Drafter, streamer, kwargs: dict[str, Any], **
     into a criterion (`route_kwargs`). Every entry point (``dmtp_hf.generate``, the ``target.generate`` router, a
     pushed repo's ``custom_generate``) goes through here; options that cannot be exact are refused first."""
     check_generate_options(target, kwargs)
+    # a cache of the caller's is theirs to continue: at batch size > 1 the engine leaves it in plain layout
+    cache_given = kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None
     return {
         "custom_generate": dmtp_custom_generate, "dmtp_drafter": drafter, "dmtp_streamer": streamer, **options,
-        **route_kwargs(target, kwargs),
+        "dmtp_cache_given": cache_given, **route_kwargs(target, kwargs),
     }  # fmt: skip
 
 
@@ -121,6 +123,7 @@ def dmtp_custom_generate(
     dmtp_draft_sampling: bool | None = None,
     dmtp_profile: bool = False,
     dmtp_compile: bool | CompileConfig = False,
+    dmtp_cache_given: bool = False,
     **model_kwargs,
 ):
     """A ``custom_generate`` decoding method: ``target.generate(..., custom_generate=dmtp_custom_generate,
@@ -135,7 +138,17 @@ def dmtp_custom_generate(
     compile_config = compiled_verify_config(model, dmtp_compile, generation_config)
     if (capacity is not None and capacity < needed) or (compile_config is not None and capacity is None):
         # Transformers sized it for `max_length - 1`; a verify writes K + 1 slots past the committed tokens. A
-        # compiled verify needs fixed shapes: a static cache.
+        # compiled verify needs fixed shapes: a static cache. A cache that holds a conversation cannot be replaced.
+        if cache is not None and cache.get_seq_length() > 0:
+            raise ValueError(
+                f"The cache passed to generate holds a conversation but has {capacity} slots, too few for speculative "
+                f"decoding up to max_length={generation_config.max_length} ({needed} slots: a verify writes "
+                f"{dmtp_drafter.num_candidates + 1} past the committed tokens). Start the conversation with a larger "
+                "StaticCache, or a DynamicCache."
+                if capacity is not None
+                else "A compiled verify needs a static cache, but the cache passed to generate is a growing one "
+                "holding a conversation: continue it without dmtp_compile, or start it with a StaticCache."
+            )
         cache = new_static_cache(model, needed)
     dict_out = generation_config.return_dict_in_generate
     outputs = None
@@ -161,6 +174,8 @@ def dmtp_custom_generate(
         outputs=outputs,
         compile_config=compile_config,
     )
+    if input_ids.shape[0] > 1 and (dict_out or dmtp_cache_given) and generation_config.use_cache is not False:
+        refill_in_plain_layout(model, cache, sequences, model_kwargs.get("attention_mask"))  # the next turn's cache
     if not dict_out:
         return sequences
     steps = sequences.shape[1] - input_ids.shape[1]

@@ -18,6 +18,7 @@ import contextlib
 import torch
 from transformers.cache_utils import (
     Cache,
+    DynamicCache,
     DynamicLayer,
     DynamicSlidingWindowLayer,
     LinearAttentionCacheLayerMixin,
@@ -100,6 +101,7 @@ class TargetCacheState:
             DynamicSlidingWindowLayer.activate_past_recording(layer)
         self.rebuild: GatedDeltaRollback | None = None
         self._snapshot: list | None = None
+        self._recorded_past = [layer.record_past for layer in self.linear_layers]  # restored by `close`
         if self.linear_layers and rollback == "rebuild":
             self.rebuild = GatedDeltaRollback(target, self.linear_layers)
             for layer in self.linear_layers:
@@ -122,9 +124,12 @@ class TargetCacheState:
         self.length = end
 
     def close(self) -> None:
-        """Remove the rollback's hooks from the target."""
+        """Remove the rollback's hooks from the target and leave the cache's layers as plain ``generate`` would find
+        them (a cache is continued by the next turn: conv states then stop recording their past)."""
         if self.rebuild is not None:
             self.rebuild.close()
+        for layer, recorded in zip(self.linear_layers, self._recorded_past, strict=True):
+            layer.record_past = recorded
 
     def attention_mask(self, q_len: int, dtype: torch.dtype) -> torch.Tensor | None:
         """4D mask ``[B, 1, q, T + q]`` for ``q`` new tokens after the cache, or ``None`` when plain causal is right."""
@@ -211,3 +216,23 @@ class TargetCacheState:
             self.replay_forward(input_ids[:, :num_kept], positions[:, :num_kept])
         self._snapshot = None
         self._append(torch.ones(1, num_kept, dtype=torch.bool, device=self._valid.device))
+
+
+def refill_in_plain_layout(target, cache: Cache, sequences: torch.Tensor, prompt_mask: torch.Tensor | None) -> None:
+    """Leave ``cache`` (in place) as plain ``generate`` leaves it after producing ``sequences`` ``[B, L]``: the
+    target's entries for ``sequences[:, :-1]``, slot i holding token i, generated tokens (padding after EOS
+    included) visible, the prompt's padding not; linear-attention states after the same tokens.
+
+    A batch's speculative cache is not in that layout (rows commit different numbers of tokens per round, and rows
+    that finish leave it), and a continued conversation needs it to be. One target forward over the sequences
+    rebuilds it, into a new cache whose layers then replace the old ones, so that the caller's object holds them.
+    """
+    batch, length = sequences.shape
+    mask = torch.ones(batch, length - 1, dtype=torch.long, device=sequences.device)
+    if prompt_mask is not None:
+        mask[:, : prompt_mask.shape[1]] = prompt_mask
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    fresh = DynamicCache(config=target.config)
+    inputs = {"input_ids": sequences[:, :-1], "attention_mask": mask, "position_ids": positions}
+    target(**inputs, cache=fresh, use_cache=True, logits_to_keep=1)
+    cache.layers[:] = fresh.layers
