@@ -43,9 +43,7 @@ def conversation(target, assistant, rows: int, turns: int = 3, **generate_kwargs
     if assistant is not None:
         kwargs["assistant_model"] = assistant
     for turn in range(turns):
-        result = target.generate(
-            ids, attention_mask=mask, cache=cache, return_dict_in_generate=True, **kwargs
-        )
+        result = target.generate(ids, attention_mask=mask, cache=cache, return_dict_in_generate=True, **kwargs)
         cache = result.cache
         out.append((result.sequences, cache.get_seq_length()))
         user = new_tokens(rows, 3 + turn, 100 + turn, vocab)
