@@ -83,9 +83,24 @@ def test_zlab_dflash2_checkpoint_loads_strictly_and_round_trips(tmp_path, target
     assert config["dflash_config"]["output_multiplier"] == 0.5
     written = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert written.keys() == raw.keys() and all(torch.equal(written[k], raw[k]) for k in raw)
-    # the default layout is DMTP(D2): the same tensors plus a zero-initialised fusion
-    dmtp = DMTPDraftModel.from_pretrained(tmp_path / "src", target=target)
+    # DMTP(D2) on request: the same tensors plus a zero-initialised fusion
+    dmtp = DMTPDraftModel.from_pretrained(tmp_path / "src", target=target, anchor_layout="dual")
     assert dmtp.config.anchor_layout == "dual" and dmtp.fusion.is_noop() and dmtp.config.backbone == "dflash2"
+
+
+def test_zlab_dflash2_checkpoint_decodes_as_dflash2_with_its_block_by_default(tmp_path, targets):
+    """Nothing but ``target=``: a 16-slot z-lab DFlash2 checkpoint proposes 15 candidates per round as DFlash2."""
+    target = targets["qwen3_5"]
+    write_zlab_dflash2(tmp_path, target)
+    draft = DMTPDraftModel.from_pretrained(tmp_path, target=target)
+    assert (draft.config.anchor_layout, draft.config.backbone, draft.config.num_candidates) == ("dflash", "dflash2", 15)
+    prompt = torch.tensor([[5, 17, 42, 9, 77, 3, 64]])
+    plain = target.generate(prompt, do_sample=False, max_new_tokens=40)
+    out = target.generate(
+        prompt, assistant_model=draft, do_sample=False, max_new_tokens=40, return_dict_in_generate=True
+    )
+    assert torch.equal(out.sequences, plain)
+    assert out.spec_stats.strategy == "dflash" and len(out.spec_stats.hist) == 16  # 0..15 accepted per round
 
 
 def test_incomplete_dflash2_checkpoint_is_refused_naming_the_tensor(tmp_path, targets):

@@ -177,13 +177,21 @@ _DELEGATED = {
     "train": ("dmtp_hf.training.trainer", "train a DMTP/DFlash draft and/or the native MTP head from a YAML config"),
     "regenerate": ("dmtp_hf.training.regenerate", "rewrite a chat JSONL's assistant turns with the target"),
     "extract": ("dmtp_hf.training.features", "write offline target/MTP feature shards for training"),
-    "serve": ("dmtp_hf.serving", "a small OpenAI-compatible chat endpoint over a target (and a draft)"),
+}
+# Commands that were removed, and where their users should go.
+_REMOVED = {
+    "serve": "`dmtp serve` was removed: serve with vLLM and the dmtp-vllm plugin, `vllm serve TARGET "
+    "--speculative-config '{\"method\": \"dflash\", \"model\": DMTP_VLLM_FOLDER, \"num_speculative_tokens\": 7}'` "
+    "(docs/serving.md); `dmtp regenerate --endpoint` talks to any OpenAI-compatible server.",
 }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``dmtp`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in _REMOVED:
+        print(f"dmtp {argv[0]}: error: {_REMOVED[argv[0]]}", file=sys.stderr)
+        return 2
     if argv and argv[0] in _DELEGATED:
         import importlib
 

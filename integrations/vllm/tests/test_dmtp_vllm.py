@@ -1,15 +1,21 @@
 """DMTP in vLLM on this CPU: lossless under vLLM's scheduler, the same proposals as dmtp-hf's engine, refusals by name.
 
 SmolLM2-135M-Instruct (fp32) with the bundled drafts; 16 prompts whose budgets differ, so requests of a batch finish
-at different steps (continuous batching) and the padded drafter batch carries rejected slots.
+at different steps (continuous batching) and the padded drafter batch carries rejected slots. At temperature 1 the
+sampled tokens follow the target's distribution (vLLM's rejection sampler verifies the greedy draft, q one-hot).
 """
 
 from __future__ import annotations
 
+import collections
+
 import pytest
+import torch
 from conftest import close, make_engine
 
 GREEDY = dict(temperature=0.0)
+SAMPLED_RUNS = 320  # requests per engine at temperature 1
+SAMPLED_TOKENS = 3  # the first comes from the prefill, the next two from verified rounds
 
 
 def generate(engine, prompts: list[dict]) -> list[list[int]]:
@@ -34,14 +40,56 @@ def spec_counters(engine) -> dict[str, object]:
     }
 
 
+def sample(engine, prompt_token_ids: list[int], first_seed: int) -> list[tuple[int, ...]]:
+    """``SAMPLED_RUNS`` continuations of one prompt at temperature 1, request ``i`` seeded ``first_seed + i``."""
+    from vllm import SamplingParams, TokensPrompt
+
+    outputs = engine.generate(
+        [TokensPrompt(prompt_token_ids=prompt_token_ids)] * SAMPLED_RUNS,
+        [SamplingParams(max_tokens=SAMPLED_TOKENS, temperature=1.0, seed=first_seed + i) for i in range(SAMPLED_RUNS)],
+        use_tqdm=False,
+    )
+    return [tuple(o.outputs[0].token_ids) for o in outputs]
+
+
+def two_sample_chi_square(first: list, second: list, min_count: int = 10) -> float:
+    """p-value that two equally large samples come from one distribution (categories seen fewer than
+    ``min_count`` times in both together pooled into one)."""
+    assert len(first) == len(second)
+    a, b = collections.Counter(first), collections.Counter(second)
+    kept = [x for x in a.keys() | b.keys() if a[x] + b[x] >= min_count]
+    observed = torch.tensor([[a[x], b[x]] for x in kept] + [[len(first), len(second)]], dtype=torch.float64)
+    observed[-1] -= observed[:-1].sum(0)  # the pooled rest
+    observed = observed[observed.sum(1) > 0]
+    statistic = ((observed[:, 0] - observed[:, 1]) ** 2 / observed.sum(1)).sum()
+    degrees = torch.tensor(observed.shape[0] - 1, dtype=torch.float64)
+    return float(torch.special.gammaincc(degrees / 2, statistic / 2))
+
+
 @pytest.fixture(scope="module")
-def plain_tokens(target, prompts) -> list[list[int]]:
-    """vLLM's plain greedy output for every prompt (no drafter)."""
+def sampled_prompt(target) -> list[int]:
+    """A chat prompt whose first tokens have a few likely continuations (a test with power at a few hundred runs)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    messages = [{"role": "user", "content": "Name a primary color."}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+
+
+@pytest.fixture(scope="module")
+def plain(target, prompts, sampled_prompt) -> dict[str, list]:
+    """vLLM's plain output (no drafter): greedy for every prompt, and the temperature-1 sample."""
     engine = make_engine(target, None)
     try:
-        return generate(engine, prompts)
+        return {"greedy": generate(engine, prompts), "sampled": sample(engine, sampled_prompt, first_seed=0)}
     finally:
         close(engine)
+
+
+@pytest.fixture(scope="module")
+def plain_tokens(plain) -> list[list[int]]:
+    """vLLM's plain greedy output for every prompt."""
+    return plain["greedy"]
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +110,31 @@ def test_greedy_dmtp_is_token_identical_to_plain_vllm_at_batch_1_4_16(dmtp_engin
     assert generate(dmtp_engine, prompts) == plain_tokens  # batch 16 (prefixes now cached)
     after = spec_counters(dmtp_engine)
     assert after["drafts"] > before["drafts"] and after["accepted"] > before["accepted"]
+
+
+def test_sampling_at_temperature_1_keeps_the_target_distribution(dmtp_engine, plain, sampled_prompt):
+    """Tokens 2 and 3 of each continuation come from verified DMTP rounds: their distribution (and the pair's) is the
+    plain engine's. Independent seeds in the two engines; drafts must have been accepted, or nothing was tested."""
+    before = spec_counters(dmtp_engine)
+    speculative = sample(dmtp_engine, sampled_prompt, first_seed=SAMPLED_RUNS)
+    after = spec_counters(dmtp_engine)
+    assert after["accepted"] - before["accepted"] >= SAMPLED_RUNS // 4, (before, after)
+    for name, part in [("token 2", lambda s: s[1:2]), ("token 3", lambda s: s[2:3]), ("tokens 2-3", lambda s: s[1:])]:
+        p_value = two_sample_chi_square([part(s) for s in plain["sampled"]], [part(s) for s in speculative])
+        assert p_value > 1e-3, f"{name}: DMTP's samples differ from plain vLLM's (chi-square p = {p_value:.2e})"
+
+
+def test_the_cpu_expand_kernel_writes_float_values():
+    """The rejection sampler's per-token temperatures: vLLM's CPU stand-in leaves float outputs unwritten
+    (dmtp_vllm.hook); the replacement expands every dtype, with the greedy marker replaced."""
+    from dmtp_vllm.hook import expand_batch_values
+
+    out = torch.full((6,), -5.0)
+    expand_batch_values(out, torch.tensor([0.7, 0.0, 1.3]), torch.tensor([2, 3, 6], dtype=torch.int32), 0.0, 1.0)
+    assert out.tolist() == pytest.approx([0.7, 0.7, 1.0, 1.3, 1.3, 1.3])
+    ints = torch.zeros(4, dtype=torch.int32)
+    expand_batch_values(ints, torch.tensor([5, 9], dtype=torch.int32), torch.tensor([1, 4]), 0, 0)
+    assert ints.tolist() == [5, 9, 9, 9]
 
 
 def test_the_same_draft_accepts_as_in_dmtp_hf(target, exported, prompts, hf_reference):

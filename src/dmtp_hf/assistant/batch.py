@@ -8,6 +8,10 @@ import torch
 
 from .target_step import TargetStep
 
+INITIAL_COLUMNS = 256  # generated tokens held per row before the buffers first grow (then they double)
+# A budget no call reaches (2**62 tokens), so that ``max_new_tokens`` as large as Python allows fits a long tensor.
+UNREACHABLE_BUDGET = 1 << 62
+
 
 @dataclass
 class Accepted:
@@ -29,22 +33,30 @@ class Accepted:
 class StepOutputs:
     """What ``output_scores`` / ``output_logits`` ask for: each generated token's processed scores and raw logits,
     ``[B0, V]`` per step as plain ``generate`` returns them. Steps after a row has finished hold ``-inf`` (plain
-    ``generate`` computes scores on padding there; a speculative batch does no work for finished rows)."""
+    ``generate`` computes scores on padding there; a speculative batch does no work for finished rows). The
+    buffers ``[B0, columns + 1, V]`` have as many columns as `ActiveBatch.tokens` and grow with them."""
 
     def __init__(self, scores: bool, logits: bool) -> None:
         self.wanted = {"scores": scores, "logits": logits}
         self.buffers: dict[str, torch.Tensor] = {}
 
-    def write(self, rows: torch.Tensor, columns: torch.Tensor, budget: int, batch_size: int, **values) -> None:
+    def write(self, rows: torch.Tensor, columns: torch.Tensor, num_columns: int, batch_size: int, **values) -> None:
         """``values[name]`` ``[B, k+1, V]`` at the caller ``rows`` ``[B]`` and token ``columns`` ``[B, k+1]``."""
         for name, value in values.items():
             if not self.wanted[name] or value is None:
                 continue
             if name not in self.buffers:
-                shape = (batch_size, budget + 1, value.shape[-1])
+                shape = (batch_size, num_columns + 1, value.shape[-1])
                 self.buffers[name] = torch.full(shape, float("-inf"), dtype=torch.float32, device=value.device)
             index = (rows[:, None].expand_as(columns), columns)
             self.buffers[name].index_put_(index, value[:, : columns.shape[1]].float())
+
+    def grow(self, old_columns: int, num_columns: int) -> None:
+        """Widen every buffer to ``num_columns`` token columns (plus the scratch one), keeping what is written."""
+        for name, buffer in self.buffers.items():
+            grown = buffer.new_full((buffer.shape[0], num_columns + 1, buffer.shape[2]), float("-inf"))
+            grown[:, :old_columns] = buffer[:, :old_columns]
+            self.buffers[name] = grown
 
     def steps(self, name: str, length: int) -> tuple[torch.Tensor, ...] | None:
         """The first ``length`` steps of ``name`` as a tuple of ``[B0, V]`` tensors (``None`` if not asked for)."""
@@ -81,9 +93,10 @@ class RoundHost:
 class ActiveBatch:
     """The rows still generating and everything the loop keeps per row on the device; rows leave when they finish.
 
-    ``tokens`` ``[B0, budget + 1]`` holds every caller row's generated tokens (column ``budget`` is a scratch column
-    for writes past a row's end); the per-row tensors below are indexed by *active* row, and ``rows`` maps them back.
-    :attr:`host` is the host's view of the same rows.
+    ``tokens`` ``[B0, columns + 1]`` holds every caller row's generated tokens; the last column is scratch, for
+    writes past a row's end. It grows with the tokens generated (doubling, up to the budget), never sized by
+    ``max_new_tokens``, so a large budget costs nothing until it is used. The per-row tensors below are indexed by
+    *active* row, and ``rows`` maps them back. :attr:`host` is the host's view of the same rows.
     """
 
     def __init__(
@@ -91,8 +104,9 @@ class ActiveBatch:
     ):
         batch, device = first.shape[0], first.device
         self.outputs = outputs
-        self.budget, self.pad = budget, pad
-        self.tokens = torch.full((batch, budget + 1), pad, dtype=torch.long, device=device)
+        self.budget, self.pad = min(budget, UNREACHABLE_BUDGET), pad
+        self.columns = min(self.budget, INITIAL_COLUMNS)
+        self.tokens = torch.full((batch, self.columns + 1), pad, dtype=torch.long, device=device)
         self.tokens[:, 0] = first
         self.num_generated_all = torch.ones(batch, dtype=torch.long, device=device)
         self.rows = torch.arange(batch, device=device)
@@ -121,7 +135,19 @@ class ActiveBatch:
     def record(self, columns: torch.Tensor, scores=None, logits=None) -> None:
         """Keep the scores / raw logits of the tokens written at ``columns`` ``[B, k+1]`` (when asked for)."""
         if self.outputs is not None:
-            self.outputs.write(self.rows, columns, self.budget, self.tokens.shape[0], scores=scores, logits=logits)
+            self.outputs.write(self.rows, columns, self.columns, self.tokens.shape[0], scores=scores, logits=logits)
+
+    def reserve(self, width: int) -> None:
+        """Room for ``width`` more tokens in every active row (the host knows how many each has: no sync)."""
+        needed = min(max(self.host.generated, default=0) + width, self.budget)
+        if needed <= self.columns:
+            return
+        old, self.columns = self.columns, min(max(needed, 2 * self.columns), self.budget)
+        grown = self.tokens.new_full((self.tokens.shape[0], self.columns + 1), self.pad)
+        grown[:, :old] = self.tokens[:, :old]
+        self.tokens = grown
+        if self.outputs is not None:
+            self.outputs.grow(old, self.columns)
 
     def commit(self, round_: Accepted, scores=None, logits=None) -> RoundHost:
         """Write each row's kept tokens after its generated ones (in place), with their ``scores`` / ``logits``
@@ -129,9 +155,10 @@ class ActiveBatch:
         new_tokens, counts = round_.new_tokens, round_.counts
         counts_host, accepted_host, stop_host = torch.stack([counts, round_.accepted, round_.stop.long()]).tolist()
         self.finished = self.finished | round_.stop
+        self.reserve(new_tokens.shape[1])
         steps = torch.arange(new_tokens.shape[1], device=counts.device)
         columns = self.num_generated[:, None] + steps[None]
-        columns = torch.where(steps[None] < counts[:, None], columns, torch.full_like(columns, self.budget))
+        columns = torch.where(steps[None] < counts[:, None], columns, torch.full_like(columns, self.columns))
         self.tokens.index_put_((self.rows[:, None].expand_as(columns), columns), new_tokens)
         self.record(columns, scores, logits)
         last = new_tokens.gather(1, (counts - 1).clamp(min=0)[:, None])[:, 0]

@@ -180,6 +180,12 @@ def check_inputs(
     check_verify_length(verify_length)
     if streamer is not None and input_ids.shape[0] > 1:
         raise ValueError("Streaming supports batch size 1 only (as in Transformers).")
+    empty = [] if attention_mask is None else (~attention_mask.bool().any(-1)).nonzero()[:, 0].tolist()
+    if empty:
+        raise ValueError(
+            f"Row(s) {empty} of attention_mask are all zeros: an empty prompt has no last token to continue from "
+            "(plain generate attends to padding there). Drop those rows or give each at least one token."
+        )
     if attention_mask is not None and not bool(attention_mask[:, -1].all()):
         raise ValueError(
             "The batch is right-padded (attention_mask ends with 0 in some row): speculative decoding continues "
@@ -201,8 +207,9 @@ def check_inputs(
     return mode
 
 
-def target_cache(target, cache: Cache | None, batch_size: int, max_length: int, num_candidates: int,
-                 compile_config=None) -> Cache:  # fmt: skip
+def target_cache(
+    target, cache: Cache | None, batch_size: int, max_length: int, num_candidates: int, compile_config=None
+) -> Cache:
     """The target's cache for the call (a new ``DynamicCache`` by default; a ``StaticCache`` for a compiled verify,
     whose shapes must not grow). Static caches: batch size 1 and room for one verify past ``max_length``."""
     if cache is None and compile_config is not None:

@@ -125,7 +125,7 @@ class RowInputs:
     def full_batch(self, batch: ActiveBatch, rows_input: torch.Tensor, original: torch.Tensor) -> torch.Tensor:
         """``[B0, L]``: ``rows_input`` at its caller rows, every other caller row its own tokens up to length L."""
         length = rows_input.shape[1]
-        every = torch.cat([self.prompt, batch.tokens], dim=1)[:, :length]
+        every = torch.cat([self.prompt, batch.tokens[:, : batch.columns]], dim=1)[:, :length]  # not the scratch column
         # A verify may look past a row's token budget (those positions are never committed): pad the other rows.
         every = torch.nn.functional.pad(every, (0, length - every.shape[1]), value=batch.pad)
         return every.index_copy(0, original, rows_input)

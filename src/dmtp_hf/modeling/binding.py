@@ -116,5 +116,7 @@ def bound_native_mtp(draft: nn.Module) -> nn.Module:
             + "bind it with `draft.bind(target, native_mtp=load_native_mtp(target, checkpoint=HEAD_DIR))` "
             + "(eval/bench: --mtp-head HEAD_DIR)."
             + (f" Reading the target's own head failed: {reason}" if reason else "")
+            + (" Without a head, load the draft with anchor_layout='dflash' to decode it as DFlash."
+               if draft.config.anchor_layout != "dflash" else "")
         )  # fmt: skip
     return head

@@ -13,7 +13,9 @@ that predicted it. The config therefore is a Qwen3 config with two nested sectio
 Unmodified DFlash ``config.json`` files (``model_type: qwen3``, ``architectures: ["DFlashDraftModel"]``,
 ``block_size`` at the top level or inside ``dflash_config``) load through :meth:`DMTPConfig.from_dict`, and so do
 z-lab DFlash2 ones (``architectures: ["DFlash2DraftModel"]``): the same config plus the ``dflash_config`` keys of
-the grouped dynamic convolutions and the candidate selector (``backbone == "dflash2"``).
+the grouped dynamic convolutions and the candidate selector (``backbone == "dflash2"``). Such a checkpoint loads
+as the draft it is (``anchor_layout="dflash"``, ``block_size - 1`` candidates); pass ``anchor_layout="dual"``
+(and ``num_candidates``) to start a DMTP draft from its weights.
 """
 
 from __future__ import annotations
@@ -316,6 +318,12 @@ class DMTPConfig(Qwen3Config):
             raise ValueError(f"The draft config is missing {missing}: a DFlash/DMTP config.json states its size.")
         if is_dflash_config_dict(config_dict):
             config_dict["_loaded_from_dflash"] = True
+            # A DFlash/DFlash2 checkpoint decodes as what it is, with the block it was trained with; DMTP on its
+            # weights (zero-init fusion) is an explicit `anchor_layout="dual"`.
+            block = (config_dict.get("dflash_config") or {}).get("block_size", config_dict.get("block_size", 16))
+            config_dict["dmtp_config"] = {"anchor_layout": kwargs.get("anchor_layout") or "dflash"}
+            if not kwargs.get("num_candidates") and isinstance(block, int) and block >= 2:
+                config_dict["dmtp_config"]["num_candidates"] = block - 1
         # What the checkpoint's own fusion was, before any override: a checkpoint saved without fusion weights
         # (DFlash, or a DMTP checkpoint with layout 'dflash' / fusion 'none') may be loaded into a fusion layout.
         saved = (config_dict.get("dmtp_config") or {}).get("fusion")

@@ -459,9 +459,9 @@ class DMTPDraftModel(DMTPPreTrainedModel):
     ) -> DMTPDraftModel:
         """Load a DMTP checkpoint or an unmodified DFlash checkpoint, strictly.
 
-        A DFlash checkpoint (``architectures: ["DFlashDraftModel"]``, no ``dmtp_config``) yields a DMTP model
-        whose fusion is initialised as documented (zero for ``residual``), so it starts exactly as "DFlash
-        conditioned on T1". Config fields can be overridden as keyword arguments (``anchor_layout="dflash"``).
+        A DFlash checkpoint (``architectures: ["DFlashDraftModel"]``, no ``dmtp_config``) loads as DFlash with
+        ``block_size - 1`` candidates; with ``anchor_layout="dual"`` its fusion starts at zero, exactly "DFlash
+        conditioned on T1". Config fields can be overridden as keyword arguments (``num_candidates=7``).
         Any other missing, unexpected or mis-shaped tensor raises ``ValueError`` naming it. ``target`` binds
         the draft (see :meth:`bind`).
         """

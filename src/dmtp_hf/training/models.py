@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..modeling import DMTPConfig, DMTPDraftModel, load_native_mtp
+from ..modeling.configuration_dmtp import DEFAULT_NUM_CANDIDATES
 from ..modeling.native_mtp import NativeMTPHead, new_mtp_head
 from ..modeling.native_mtp.export import save_mtp_head
 from ..modeling.references import deepcopy_sharing
@@ -39,6 +40,9 @@ def build_draft(config: TrainConfig, target: nn.Module, native_mtp: nn.Module | 
         overrides = dict(config.draft_config)
         extra = overrides.pop("dflash_config", None) or {}
         draft_config = DMTPConfig.from_pretrained(config.init_from, **layout, **overrides)
+        if draft_config.loaded_from_dflash and "num_candidates" not in overrides:
+            # The recipe's block (T1..T7), whatever the DFlash checkpoint's own block size (decoding follows that)
+            draft_config.num_candidates = DEFAULT_NUM_CANDIDATES
         draft_config.dflash_config.update(extra)
         draft_config.validate_dmtp()
         draft = DMTPDraftModel.from_pretrained(config.init_from, config=draft_config)

@@ -178,7 +178,7 @@ def regenerate_endpoint(
     progress: bool = True,
 ) -> int:
     """Like :func:`regenerate`, through any OpenAI-compatible chat-completions server (vLLM, SGLang, TGI,
-    llama.cpp server, ``dmtp serve``): ``concurrency`` records at a time, each record's turns in order.
+    llama.cpp server): ``concurrency`` records at a time, each record's turns in order.
 
     The thinking switch goes to the server as ``chat_template_kwargs``. Resumable: completed ids are skipped and a
     record is written only once all its turns are back. Returns the number of records written.
@@ -233,7 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="dmtp regenerate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", help="target checkpoint (local generation)")
-    parser.add_argument("--endpoint", help="an OpenAI-compatible server URL instead (vLLM, SGLang, TGI, dmtp serve)")
+    parser.add_argument("--endpoint", help="an OpenAI-compatible server URL instead (vLLM, SGLang, TGI)")
     parser.add_argument("--model", default="default", help="--endpoint: the served model name")
     parser.add_argument("--concurrency", type=int, default=8, help="--endpoint: records in flight")
     parser.add_argument("--top-p", type=float, default=None, help="--endpoint: nucleus sampling")

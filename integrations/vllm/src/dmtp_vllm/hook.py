@@ -1,4 +1,4 @@
-"""The one place dmtp-vllm reaches into vLLM internals: which proposer the model runner builds.
+"""The one place dmtp-vllm reaches into vLLM internals: which proposer the model runner builds, and one CPU kernel.
 
 vLLM chooses its drafter inside ``GPUModelRunner.__init__`` (the CPU runner inherits it) from a closed list of
 methods, and ``SpeculativeConfig`` refuses method names it does not know. A DMTP draft therefore runs under
@@ -6,7 +6,14 @@ methods, and ``SpeculativeConfig`` refuses method names it does not know. A DMTP
 ``DFlashProposer`` the runner built for a `DMTPProposer` when the draft's architecture is DMTP's. Nothing changes
 for any other draft.
 
-The swap depends on the runner's attribute names, so it is pinned to the vLLM versions it was written against:
+The CPU build's stand-in for the ``expand`` kernel of vLLM's rejection sampler (``cpu_triton_utils.
+_expand_kernel_impl`` in vLLM 0.32) converts its output tensor to int64 and computes into that copy, so a float
+output (per-token temperature, top-p) is never written and the sampler divides the logits by uninitialised memory:
+every speculative method of vLLM's CPU build (its DFlash, n-gram and MTP as well as DMTP) samples from the wrong
+distribution at temperature > 0, while greedy decoding (no temperature) is unaffected. `fix_cpu_expand_kernel` puts
+a correct implementation in its place before the CPU platform registers its kernels.
+
+Both depend on vLLM's attribute names, so it is pinned to the vLLM versions it was written against:
 `install` raises `UnsupportedVLLMVersion` on any other version rather than run a silently different round.
 """
 
@@ -15,7 +22,14 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-__all__ = ["SUPPORTED_VLLM", "UnsupportedVLLMVersion", "install", "is_dmtp_draft"]
+__all__ = [
+    "SUPPORTED_VLLM",
+    "UnsupportedVLLMVersion",
+    "expand_batch_values",
+    "fix_cpu_expand_kernel",
+    "install",
+    "is_dmtp_draft",
+]
 
 SUPPORTED_VLLM = ("0.32.",)  # version prefixes whose runner this hook was read against
 
@@ -46,12 +60,44 @@ def check_version(version: str) -> None:
         )
 
 
+def expand_batch_values(
+    output: Any,  # [num_tokens]
+    input_val: Any,  # [batch_size]
+    cu_num_tokens: Any,  # [batch_size], cumulative tokens per request
+    replace_from: Any,
+    replace_to: Any,
+    MAX_NUM_TOKENS: int | None = None,  # noqa: N803 (the kernel's launch-argument name)
+) -> None:
+    """Write request ``i``'s value (``replace_from`` read as ``replace_to``) into its tokens' slots of ``output``:
+    what vLLM's ``expand_kernel`` does, for any dtype."""
+    import torch
+
+    values = torch.where(input_val == replace_from, torch.as_tensor(replace_to, dtype=input_val.dtype), input_val)
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
+    total = int(cu_num_tokens[-1]) if cu_num_tokens.numel() else 0
+    output[:total].copy_(torch.repeat_interleave(values, counts, output_size=total).to(output.dtype))
+
+
+def fix_cpu_expand_kernel() -> None:
+    """Replace the CPU build's ``expand`` stand-in (module docstring) before the platform registers it."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.utils import cpu_triton_utils
+
+    if not hasattr(cpu_triton_utils, "_expand_kernel_impl"):
+        raise UnsupportedVLLMVersion("vLLM's CPU kernels moved: dmtp-vllm cannot fix the rejection sampler's expand")
+    cpu_triton_utils._expand_kernel_impl = expand_batch_values
+
+
 def install() -> None:
     """Wrap the model runner's constructor so that a DMTP draft gets a `DMTPProposer` (idempotent)."""
     import vllm
     from vllm.v1.worker import gpu_model_runner
 
     check_version(vllm.__version__)
+    fix_cpu_expand_kernel()
     runner_class = gpu_model_runner.GPUModelRunner
     original = runner_class.__init__
     if getattr(original, "_dmtp_installed", False):
