@@ -476,8 +476,12 @@ def test_resume_after_kill_gives_the_same_weights(tmp_path, target):
 def test_dflash_checkpoint_with_zero_fusion_starts_at_dflash_with_t1_loss(tmp_path, target, mtp_head):
     dflash = tiny_draft(target, "dflash", "none", seed=3)
     dflash.save_dflash(tmp_path / "dflash")
-    dmtp = DMTPDraftModel.from_pretrained(tmp_path / "dflash", anchor_layout="dual", fusion="residual").bind(target)
-    plain = DMTPDraftModel.from_pretrained(tmp_path / "dflash", anchor_layout="dual", fusion="none").bind(target)
+    dmtp = DMTPDraftModel.from_pretrained(
+        tmp_path / "dflash", anchor_layout="dual", fusion="residual", num_candidates=7
+    ).bind(target)
+    plain = DMTPDraftModel.from_pretrained(
+        tmp_path / "dflash", anchor_layout="dual", fusion="none", num_candidates=7
+    ).bind(target)
     assert dmtp.fusion.is_noop()
     data = random_dataset(4, 24)
     order, _ = StepSchedule(4, 4, 1, seed=42).micro_batches(0)[0]  # the trainer's first batch and anchors

@@ -181,7 +181,7 @@ _DELEGATED = {
 # Commands that were removed, and where their users should go.
 _REMOVED = {
     "serve": "`dmtp serve` was removed: serve with vLLM and the dmtp-vllm plugin, `vllm serve TARGET "
-    "--speculative-config '{\"method\": \"dflash\", \"model\": DMTP_VLLM_FOLDER, \"num_speculative_tokens\": 7}'` "
+    '--speculative-config \'{"method": "dflash", "model": DMTP_VLLM_FOLDER, "num_speculative_tokens": 7}\'` '
     "(docs/serving.md); `dmtp regenerate --endpoint` talks to any OpenAI-compatible server.",
 }
 

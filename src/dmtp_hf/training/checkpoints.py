@@ -11,6 +11,7 @@ import gc
 import json
 import logging
 import os
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -21,14 +22,17 @@ from safetensors.torch import load_file, save_file
 
 from ..modeling import DMTPDraftModel, load_native_mtp
 from ..modeling.io import atomic_directory
+from .data import data_fingerprints
 from .models import save_models
 from .mtp_objective import JointObjective
 
 __all__ = [
     "HARMLESS_CHANGES",
     "CheckpointMixin",
+    "check_data_fingerprints",
     "check_resumed_config",
     "latest_checkpoint",
+    "remove_stale_writes",
     "weights_only_checkpoint",
 ]
 
@@ -54,6 +58,42 @@ def check_resumed_config(saved: dict[str, Any], current: dict[str, Any], directo
         )
     if changed:
         logger.warning("Resuming from %s with changed settings: %s", directory, details)
+
+
+def check_data_fingerprints(saved: dict[str, str], current: dict[str, str], directory: Path, allow: bool) -> None:
+    """Refuse to resume when a data file the checkpoint was trained on changed since (the fingerprints the
+    checkpoint stored differ from this run's), unless ``allow`` (``allow_config_change``): then log a warning.
+    Paths only one side knows are the config's business (`check_resumed_config` compares ``train_data``)."""
+    changed = sorted(path for path in saved.keys() & current.keys() if saved[path] != current[path])
+    if not changed:
+        return
+    message = f"Resuming from {directory}, but the training data changed since that checkpoint was written: {changed}"
+    if not allow:
+        raise ValueError(
+            f"{message}. The result would not be the run the checkpoint belongs to: restore the data, or pass "
+            "--set allow_config_change=true to continue on the new data anyway."
+        )
+    logger.warning("%s; continuing on the new data (allow_config_change)", message)
+
+
+# `atomic_directory` (modeling/io.py) writes `step-N` through a sibling `mkdtemp(prefix=".step-N.tmp-")`: an
+# interrupted checkpoint write leaves that folder behind, as large as a checkpoint. Nothing else matches.
+_STALE_WRITE = re.compile(r"\.step-\d+\.tmp-[A-Za-z0-9_]+")
+
+
+def remove_stale_writes(root: str | os.PathLike) -> list[Path]:
+    """Delete the temporary folders that interrupted checkpoint writes left in ``root`` (``.step-N.tmp-*``, the
+    pattern of `atomic_directory`; checkpoints and any other file stay) and return them. Call it only while no
+    checkpoint is being written into ``root``."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    stale = sorted(p for p in root.iterdir() if _STALE_WRITE.fullmatch(p.name) and p.is_dir() and not p.is_symlink())
+    for folder in stale:
+        shutil.rmtree(folder, ignore_errors=True)
+    if stale:
+        logger.warning("Removed %d folder(s) of interrupted checkpoint writes: %s", len(stale), [str(p) for p in stale])
+    return stale
 
 
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
@@ -133,6 +173,7 @@ class CheckpointMixin:
                 self._save_models(tmp / "model", tmp / "mtp_head", state_dict)
                 (tmp / "trainer_state.json").write_text(json.dumps(self._trainer_state(), indent=2) + "\n")
             self._prune_checkpoints()
+            remove_stale_writes(self.checkpoint_root)  # this write succeeded: any other temporary one is dead
         acc.wait_for_everyone()
         return final
 
@@ -144,7 +185,13 @@ class CheckpointMixin:
             "last_eval": self.last_eval,
             "rewarm_from": self.rewarm_from,
             "config": self.config.to_dict(),
+            "data_fingerprints": getattr(self, "data_fingerprints", {}),
         }
+
+    def fingerprint_data(self) -> dict[str, str]:
+        """Fingerprints of the config's ``train_data`` files (`data.data_fingerprints`), saved with each checkpoint
+        and compared on resume."""
+        return data_fingerprints(self.config.train_data)
 
     def _save_models(self, draft_dir: Path | None, head_dir: Path | None, state_dict: dict | None, dtype=None) -> None:
         """The draft (when one is trained) to ``draft_dir`` and the MTP head (when trained) to ``head_dir``."""
@@ -201,17 +248,21 @@ class CheckpointMixin:
         source = self.config.resume_from
         if not source:
             return None
+        if self.accelerator.is_main_process:  # no checkpoint is being written before the run starts
+            remove_stale_writes(self.checkpoint_root)
         if source != "auto":
             return Path(source)
         return latest_checkpoint(self.checkpoint_root)
 
     def load_checkpoint(self, directory: str | os.PathLike) -> None:
         """Restore weights, optimizer, scheduler, RNG and step from a checkpoint written by `save_checkpoint`,
-        after comparing its config with this run's (`check_resumed_config`); from a `weights_only_checkpoint`, the
-        weights and the step (`_load_weights_only`)."""
+        after comparing its config and data with this run's (`check_resumed_config`, `check_data_fingerprints`); from
+        a `weights_only_checkpoint`, the weights and the step (`_load_weights_only`)."""
         directory = Path(directory)
         state = json.loads((directory / "trainer_state.json").read_text())
         check_resumed_config(state.get("config") or {}, self.config.to_dict(), directory)
+        saved_data, allow = state.get("data_fingerprints") or {}, self.config.allow_config_change
+        check_data_fingerprints(saved_data, getattr(self, "data_fingerprints", {}), directory, allow)
         self.step = int(state["step"])
         self.rewarm_from = state.get("rewarm_from")
         if (directory / "state").is_dir():

@@ -34,11 +34,14 @@ import torch
 from safetensors import safe_open
 from transformers import GenerationConfig
 
+from .data_checks import LengthReport, check_token_ids, path_fingerprint
+
 __all__ = [
     "ChatRenderer",
     "TokenizedDataset",
     "collate",
     "conversation_from_record",
+    "data_fingerprints",
     "load_dataset_records",
     "mixed_dataset",
     "parse_mix_item",
@@ -65,18 +68,35 @@ _ROLES = {
 
 
 def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]]:
-    """Yield ``(line_number, record)`` for each non-empty line; malformed lines raise ``ValueError`` naming them."""
-    with open(path, encoding="utf-8") as f:
+    """Yield ``(line_number, record)`` for each non-empty line; malformed lines (invalid JSON, not an object, not
+    UTF-8) raise ``ValueError`` naming the file and the line."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line_no, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{path}:{line_no}: invalid JSON ({err.msg} at column {err.colno})") from None
+                if not isinstance(record, dict):
+                    raise ValueError(f"{path}:{line_no}: expected a JSON object, got {type(record).__name__}")
+                yield line_no, record
+    except UnicodeDecodeError as err:
+        raise ValueError(_not_utf8(path, err)) from None
+
+
+def _not_utf8(path: str | os.PathLike, err: UnicodeDecodeError) -> str:
+    """Where the first byte that is not UTF-8 lies: the text decoder reports an offset into a buffered chunk, not a
+    line, so the file is scanned again line by line (only on this error path)."""
+    with open(path, "rb") as f:
         for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{line_no}: invalid JSON ({err.msg} at column {err.colno})") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}:{line_no}: expected a JSON object, got {type(record).__name__}")
-            yield line_no, record
+                line.decode("utf-8")
+            except UnicodeDecodeError as bad:
+                byte = f"0x{line[bad.start : bad.start + 1].hex()} (byte {bad.start + 1} of the line)"
+                return f"{path}:{line_no}: byte {byte} is not UTF-8; the file must be UTF-8"
+    return f"{path}: not UTF-8 ({err.reason}); the file must be UTF-8"
 
 
 def conversation_from_record(record: dict[str, Any], where: str = "record") -> list[dict[str, str]]:
@@ -226,48 +246,64 @@ def load_dataset_records(
     enable_thinking: bool | None = None,
     mask_strategy: str = "auto",
     chat_template_kwargs: dict[str, Any] | None = None,
+    vocab_size: int | None = None,
 ) -> torch.utils.data.Dataset:
     """Load a training set: an offline feature directory, or a chat / pre-tokenized JSONL file.
 
-    Samples without two consecutive supervised tokens (no valid anchor) are dropped. ``tokenizer`` may be a
-    tokenizer or a path for ``AutoTokenizer``; it is only needed for chat records.
+    Records are truncated to ``max_length`` tokens; a warning counts the truncated ones and the share of tokens
+    lost. Samples without two consecutive supervised tokens (no valid anchor) are dropped. Token ids must lie in
+    ``[0, vocab_size)`` (negative ones are refused even without ``vocab_size``): a ``ValueError`` names the line.
+    ``tokenizer`` may be a tokenizer or a path for ``AutoTokenizer``; it is only needed for chat records.
     """
     path = Path(path)
     if path.is_dir():
         return OfflineFeatureDataset(path)
     renderer = None
+    lengths = LengthReport(max_length)
     samples = []
     for line_no, record in read_jsonl(path):
         where = f"{path}:{line_no}"
         if "input_ids" in record:
-            ids = record["input_ids"]
-            mask = record.get("loss_mask", [1] * len(ids))
-            if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
-                raise ValueError(f"{where}: 'input_ids' must be a list of integers")
-            if not isinstance(mask, list) or len(mask) != len(ids):
-                raise ValueError(f"{where}: 'loss_mask' must be a list as long as 'input_ids' ({len(ids)})")
-            sample = {"input_ids": torch.tensor(ids, dtype=torch.long), "loss_mask": torch.tensor(mask).long()}
-            if max_length is not None:
-                sample = {k: v[:max_length] for k, v in sample.items()}
+            sample = _pretokenized_sample(record, where)
         else:
             messages = conversation_from_record(record, where)
-            if renderer is None:
-                if tokenizer is None:
-                    raise ValueError(f"{where}: chat records need a tokenizer (set `tokenizer` in the config)")
-                if isinstance(tokenizer, (str, os.PathLike)):
-                    from transformers import AutoTokenizer
-
-                    tokenizer = AutoTokenizer.from_pretrained(tokenizer)
-                renderer = ChatRenderer(tokenizer, enable_thinking, max_length, mask_strategy, chat_template_kwargs)
+            if renderer is None:  # the tokenizer loads only when a chat record needs it
+                renderer = _chat_renderer(tokenizer, where, enable_thinking, mask_strategy, chat_template_kwargs)
             try:
                 sample = renderer(messages)
             except ValueError as err:
                 raise ValueError(f"{where}: {err}") from None
-        if _has_two_supervised_in_a_row(sample["loss_mask"]):
-            samples.append(sample)
+        check_token_ids(sample["input_ids"], vocab_size, where)
+        kept = {k: v[:max_length] for k, v in sample.items()} if max_length is not None else sample
+        usable = _has_two_supervised_in_a_row(kept["loss_mask"])
+        lengths.add(len(sample["input_ids"]), not usable and _has_two_supervised_in_a_row(sample["loss_mask"]))
+        if usable:
+            samples.append(kept)
+    lengths.warn(path)
     if not samples:
         raise ValueError(f"{path}: no usable sample (each needs two consecutive supervised tokens)")
     return TokenizedDataset(samples)
+
+
+def _pretokenized_sample(record: dict[str, Any], where: str) -> dict[str, torch.Tensor]:
+    ids = record["input_ids"]
+    mask = record.get("loss_mask", [1] * len(ids))
+    if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+        raise ValueError(f"{where}: 'input_ids' must be a list of integers")
+    if not isinstance(mask, list) or len(mask) != len(ids):
+        raise ValueError(f"{where}: 'loss_mask' must be a list as long as 'input_ids' ({len(ids)})")
+    return {"input_ids": torch.tensor(ids, dtype=torch.long), "loss_mask": torch.tensor(mask).long()}
+
+
+def _chat_renderer(tokenizer: Any, where: str, enable_thinking, mask_strategy, chat_template_kwargs) -> ChatRenderer:
+    """A renderer without truncation: `load_dataset_records` truncates every record itself, to count what it cut."""
+    if tokenizer is None:
+        raise ValueError(f"{where}: chat records need a tokenizer (set `tokenizer` in the config)")
+    if isinstance(tokenizer, (str, os.PathLike)):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+    return ChatRenderer(tokenizer, enable_thinking, None, mask_strategy, chat_template_kwargs)
 
 
 def collate(samples: Sequence[dict[str, torch.Tensor]], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
@@ -334,6 +370,14 @@ def parse_mix_item(item: str) -> tuple[str, float]:
     if value <= 0:
         raise ValueError(f"train_data item {item!r}: the weight must be > 0")
     return path, value
+
+
+def data_fingerprints(source: str | list[str]) -> dict[str, str]:
+    """``{path: fingerprint}`` (`data_checks.path_fingerprint`) for every existing file or feature directory of a
+    ``train_data`` setting: one path, or a mixture of ``path*weight`` items (the weight is a setting, not data).
+    Sources without a file (``synthetic:...``) have none."""
+    paths = [parse_mix_item(item)[0] for item in source] if isinstance(source, list) else [source]
+    return {path: path_fingerprint(path) for path in paths if Path(path).exists()}
 
 
 def mixed_dataset(parts: Sequence[tuple[torch.utils.data.Dataset, float]], seed: int = 0) -> torch.utils.data.Dataset:

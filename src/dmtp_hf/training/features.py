@@ -360,7 +360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     thinking = {"true": True, "false": False, "unset": None}[args.enable_thinking]
     dataset = load_dataset_records(
         args.data, tokenizer=args.tokenizer or _target_dir(args.target), max_length=args.max_length,
-        enable_thinking=thinking,
+        enable_thinking=thinking, vocab_size=target.config.get_text_config().vocab_size,
     )  # fmt: skip
     dtype = None if args.dtype == "keep" else getattr(torch, args.dtype)
     extractor = FeatureExtractor(

@@ -101,6 +101,7 @@ class Trainer(CheckpointMixin):
         )
 
         self.train_dataset, self.eval_dataset = self._datasets(train_dataset, eval_dataset)
+        self.data_fingerprints = self.fingerprint_data() if train_dataset is None else {}  # checked on resume
         self.draft_vocab_stats = self._fill_draft_vocabulary(draft) if draft is not None else None
         self.head_vocab_stats = self._head_vocabulary()
         self.schedule = StepSchedule(
@@ -235,6 +236,7 @@ class Trainer(CheckpointMixin):
             max_length=config.max_length,
             enable_thinking=config.enable_thinking,
             mask_strategy=config.mask_strategy,
+            vocab_size=self.target.config.get_text_config().vocab_size,
         )
 
     @property
