@@ -154,12 +154,13 @@ def test_stale_temporary_checkpoint_folders_go_after_a_save_and_on_resume(tmp_pa
     for sample in data.samples:
         sample["loss_mask"] = torch.ones_like(sample["input_ids"])
     stale = interrupted_write(root / "step-00000001")
-    keep = [root / ".step-00000001.partial", root / ".step-00000001.old-123", root / ".step-x.tmp-folder"]
-    for folder in keep:
+    partial = root / ".step-00000001.partial"  # accelerate's state, written before the atomic move
+    keep = [root / ".step-00000001.old-123", root / ".step-x.tmp-folder"]
+    for folder in [partial, *keep]:
         folder.mkdir()
     (root / "notes.txt").write_text("mine")
     Trainer(make_config(tmp_path, resume_from=None), target=target, train_dataset=data).train()
-    assert not stale.exists()
+    assert not stale.exists() and not partial.exists()
     assert all(folder.is_dir() for folder in keep) and (root / "notes.txt").read_text() == "mine"
     assert (root / "step-00000002" / "trainer_state.json").is_file()
 

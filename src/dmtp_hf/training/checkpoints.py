@@ -78,12 +78,13 @@ def check_data_fingerprints(saved: dict[str, str], current: dict[str, str], dire
 
 # `atomic_directory` (modeling/io.py) writes `step-N` through a sibling `mkdtemp(prefix=".step-N.tmp-")`: an
 # interrupted checkpoint write leaves that folder behind, as large as a checkpoint. Nothing else matches.
-_STALE_WRITE = re.compile(r"\.step-\d+\.tmp-[A-Za-z0-9_]+")
+# `atomic_directory`'s temporary folders, and the accelerate state a save writes before moving it into one
+_STALE_WRITE = re.compile(r"\.step-\d+\.(tmp-[A-Za-z0-9_]+|partial)")
 
 
 def remove_stale_writes(root: str | os.PathLike) -> list[Path]:
     """Delete the temporary folders that interrupted checkpoint writes left in ``root`` (``.step-N.tmp-*``, the
-    pattern of `atomic_directory`; checkpoints and any other file stay) and return them. Call it only while no
+    pattern of `atomic_directory`, and ``.step-N.partial``; checkpoints and any other file stay) and return them. Call it only while no
     checkpoint is being written into ``root``."""
     root = Path(root)
     if not root.is_dir():
