@@ -1,9 +1,15 @@
 """The package's layering rules, checked on the source: layers import only downwards, no import cycles (lazy
-imports included), library code never imports the test helpers, size limits (the round <= 70 lines, every other
-function <= 80, every module <= 500), and the round never knows where the drafter state is stored."""
+imports included), library code never imports the test helpers, and the round never knows where the drafter state
+is stored.
+
+Sizes are guidance, reported rather than enforced: the round reads best in about 70 lines, other functions in about
+80, modules in about 500. Code past the guidance is listed in a ``UserWarning`` (pytest's warnings summary), so growth
+stays visible without packing code to fit; only a hard ceiling well above it fails (the round > 100 lines, another
+function > 120, a module > 700), the sign that something wants splitting."""
 
 import ast
 import threading
+import warnings
 from collections import defaultdict
 from pathlib import Path
 
@@ -16,9 +22,21 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "dmtp_hf"
 # Each layer may import only the layers listed after it (and itself).
 LAYERS = ["cli", "demo", "evaluation", "training", "assistant", "bundled", "modeling"]
 ALLOWED = {layer: set(LAYERS[i:]) for i, layer in enumerate(LAYERS)}
-MAX_FUNCTION_LINES = 80
-MAX_ROUND_LINES = 70
-MAX_MODULE_LINES = 500
+# Sizes in lines: (guidance, ceiling). Past the guidance a test warns; past the ceiling it fails.
+FUNCTION_LINES = (80, 120)
+ROUND_LINES = (70, 100)
+MODULE_LINES = (500, 700)
+
+
+def check_sizes(what: str, sizes: dict[str, int], limits: tuple[int, int]) -> None:
+    """Warn about every entry of ``sizes`` (name: lines) past the guidance; fail on any past the ceiling."""
+    guidance, ceiling = limits
+    over = sorted(((n, name) for name, n in sizes.items() if n > guidance), reverse=True)
+    if over:
+        rows = "\n".join(f"  {n:5d}  {name}" for n, name in over)
+        warnings.warn(UserWarning(f"{what} past the {guidance}-line guidance ({len(over)}):\n{rows}"), stacklevel=2)
+    too_long = [f"{name}: {n} lines" for n, name in over if n > ceiling]
+    assert not too_long, f"{what} past the {ceiling}-line ceiling (split them):\n" + "\n".join(too_long)
 
 
 def module_name(path: Path) -> str:
@@ -104,15 +122,13 @@ def test_no_import_cycles():
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
-def test_no_library_function_is_longer_than_80_lines():
-    long = []
+def test_library_function_sizes():
+    sizes = {}
     for name, path in library_modules().items():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                length = node.end_lineno - node.lineno + 1
-                if length > MAX_FUNCTION_LINES:
-                    long.append(f"{name}.{node.name}: {length} lines")
-    assert not long, "\n".join(long)
+                sizes[f"{name}.{node.name}:{node.lineno}"] = node.end_lineno - node.lineno + 1
+    check_sizes("library functions", sizes, FUNCTION_LINES)
 
 
 def test_the_decoding_round_reads_in_one_short_function():
@@ -120,13 +136,12 @@ def test_the_decoding_round_reads_in_one_short_function():
 
     tree = ast.parse(Path(decoding.__file__).read_text())
     (function,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "speculative_decode"]
-    assert function.end_lineno - function.lineno + 1 <= MAX_ROUND_LINES
+    check_sizes("decoding rounds", {"speculative_decode": function.end_lineno - function.lineno + 1}, ROUND_LINES)
 
 
-def test_no_library_module_is_longer_than_500_lines():
-    long = [f"{name}: {n} lines" for name, path in library_modules().items()
-            if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES]  # fmt: skip
-    assert not long, "\n".join(long)
+def test_library_module_sizes():
+    sizes = {name: len(path.read_text().splitlines()) for name, path in library_modules().items()}
+    check_sizes("library modules", sizes, MODULE_LINES)
 
 
 def test_the_round_never_mentions_the_drafter_state_storage():

@@ -563,8 +563,14 @@ def test_the_engines_per_round_bookkeeping_does_not_grow_with_length(targets):
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            if not func.is_view:
-                self.count += sum(t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+            if func.is_view:
+                return out
+            inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            for tensor in (t for t in tree_leaves(out) if isinstance(t, torch.Tensor)):
+                if any(tensor is i for i in inputs):  # in place: it wrote at most what it was given
+                    self.count += max((i.numel() for i in inputs if i is not tensor), default=0)
+                else:
+                    self.count += tensor.numel()
             return out
 
     class PerRound(SpecStats):

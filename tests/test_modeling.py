@@ -22,7 +22,7 @@ def write_dflash_checkpoint(
     path: Path,
     *,
     nested_block_size: bool = False,
-    stray_tensors: bool = False,
+    stray_tensors: torch.nn.Module | None = None,
     num_layers: int = 2,
     target_layer_ids=(0, 2),
     sliding: bool = False,
@@ -56,9 +56,9 @@ def write_dflash_checkpoint(
             }
         )
     on_disk = dict(tensors)
-    if stray_tensors:  # early Qwen3.6 DFlash previews shipped these
-        on_disk["embed_tokens.weight"] = rnd(VOCAB, H)
-        on_disk["lm_head.weight"] = rnd(VOCAB, H)
+    if stray_tensors is not None:  # early Qwen3.6 DFlash previews shipped copies of their target's
+        on_disk["embed_tokens.weight"] = stray_tensors.get_input_embeddings().weight.detach().clone()
+        on_disk["lm_head.weight"] = stray_tensors.get_output_embeddings().weight.detach().clone()
     config = {
         "architectures": ["DFlashDraftModel"],
         "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
@@ -192,8 +192,8 @@ def test_registered_with_auto_classes(tmp_path):
 
 @pytest.mark.parametrize("nested", [False, True])
 def test_dflash_checkpoint_matches_reference_forward(tmp_path, target, nested):
-    raw = write_dflash_checkpoint(tmp_path, nested_block_size=nested, stray_tensors=True)
-    draft = DMTPDraftModel.from_pretrained(tmp_path, target=target, anchor_layout="dflash")
+    raw = write_dflash_checkpoint(tmp_path, nested_block_size=nested, stray_tensors=target)
+    draft = DMTPDraftModel.from_pretrained(tmp_path, target=target, anchor_layout="dflash", num_candidates=7)
     assert draft.config.block_size == 16 and draft.config.anchor_layout == "dflash"
     assert draft.fusion is None
 
@@ -214,7 +214,7 @@ def test_dflash_checkpoint_matches_reference_forward(tmp_path, target, nested):
 
 def test_dflash_sliding_window_layers_match_reference(tmp_path, target):
     raw = write_dflash_checkpoint(tmp_path, sliding=True)
-    draft = DMTPDraftModel.from_pretrained(tmp_path, target=target, anchor_layout="dflash")
+    draft = DMTPDraftModel.from_pretrained(tmp_path, target=target, anchor_layout="dflash", num_candidates=7)
     assert draft.layers[0].self_attn.block_causal and not draft.layers[1].self_attn.block_causal
     ids = torch.randint(0, VOCAB - 1, (1, 9))
     feats = context_features(target, ids, [0, 2])
@@ -229,7 +229,7 @@ def test_dflash_sliding_window_layers_match_reference(tmp_path, target):
 
 def test_dflash_checkpoint_round_trips_in_dflash_layout(tmp_path, target):
     raw = write_dflash_checkpoint(tmp_path / "src")
-    draft = DMTPDraftModel.from_pretrained(tmp_path / "src")
+    draft = DMTPDraftModel.from_pretrained(tmp_path / "src", anchor_layout="dual", num_candidates=7)
     assert draft.config.anchor_layout == "dual" and draft.config.fusion == "residual"
     assert draft.fusion.is_noop()  # zero-initialised: DMTP starts as "DFlash conditioned on T1"
     draft.save_dflash(tmp_path / "out")

@@ -62,10 +62,11 @@ def run_demo(max_new_tokens: int = 48, seed: int = 0, bundle: str = "bundled") -
     target = AutoModelForCausalLM.from_pretrained(paths["target"], dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(paths["target"])
     prompts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": request}], add_generation_prompt=True,
-                                      return_tensors="pt", return_dict=True)["input_ids"]
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": request}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"]
         for request in DEMO_REQUESTS[bundle]
-    ]  # fmt: skip
+    ]
     # The MTP head: the target's own, or a retrofitted one (SmolLM2 ships none).
     head = load_native_mtp(target, checkpoint=paths["mtp_head"]) if paths["mtp_head"] else None
     # `bind` casts each draft to the target's dtype (the SmolLM2 drafts are stored in bf16).
@@ -82,9 +83,11 @@ def run_demo(max_new_tokens: int = 48, seed: int = 0, bundle: str = "bundled") -
     plain_seconds, plain = _median_seconds(lambda: [target.generate(ids, **kwargs) for ids in prompts])
     runs = []
     for label, model, strategy in [("DMTP", dmtp, None), ("DFlash", dflash, None), ("native MTP-1", dmtp, "mtp")]:
-        seconds, outs = _median_seconds(lambda m=model, s=strategy: [
-            dmtp_hf.generate(target, ids, m, strategy=s, return_dict_in_generate=True, **kwargs) for ids in prompts
-        ])  # fmt: skip
+        seconds, outs = _median_seconds(
+            lambda m=model, s=strategy: [
+                dmtp_hf.generate(target, ids, m, strategy=s, return_dict_in_generate=True, **kwargs) for ids in prompts
+            ]
+        )
         runs.append((label, outs, seconds))
     _print_results(tokenizer, prompts, plain, plain_seconds, runs)
     return 0 if all(torch.equal(o.sequences, p) for _, outs, _ in runs for o, p in zip(outs, plain)) else 1
@@ -110,5 +113,7 @@ def _print_results(tokenizer, prompts, plain, plain_seconds: float, runs) -> Non
             f"{label:14s} {stats.acceptance_length_per_verify:12.2f} {100 * stats.first_candidate_acceptance:11.1f}% "
             f"{stats.num_rounds:7d} {seconds:6.2f}s {plain_seconds / seconds:7.2f}x  {same}"
         )
-    print("(tokens/round = acceptance length per verify, bonus included; CPU wall clock, median of "
-          f"{REPEATS} runs after a warm-up)")  # fmt: skip
+    print(
+        "(tokens/round = acceptance length per verify, bonus included; CPU wall clock, median of "
+        f"{REPEATS} runs after a warm-up)"
+    )

@@ -102,9 +102,11 @@ class ActiveBatch:
     def __init__(
         self, first: torch.Tensor, prompt_lengths: torch.Tensor, budget: int, pad: int, outputs: StepOutputs | None
     ):
-        batch, device = first.shape[0], first.device
+        batch = first.shape[0]
+        device = first.device
         self.outputs = outputs
-        self.budget, self.pad = min(budget, UNREACHABLE_BUDGET), pad
+        self.budget = min(budget, UNREACHABLE_BUDGET)
+        self.pad = pad
         self.columns = min(self.budget, INITIAL_COLUMNS)
         self.tokens = torch.full((batch, self.columns + 1), pad, dtype=torch.long, device=device)
         self.tokens[:, 0] = first
@@ -142,7 +144,8 @@ class ActiveBatch:
         needed = min(max(self.host.generated, default=0) + width, self.budget)
         if needed <= self.columns:
             return
-        old, self.columns = self.columns, min(max(needed, 2 * self.columns), self.budget)
+        old = self.columns
+        self.columns = min(max(needed, 2 * old), self.budget)
         grown = self.tokens.new_full((self.tokens.shape[0], self.columns + 1), self.pad)
         grown[:, :old] = self.tokens[:, :old]
         self.tokens = grown
@@ -172,8 +175,11 @@ class ActiveBatch:
 
     def keep(self, keep: torch.Tensor, keep_host: list[int]) -> None:
         """Only active rows ``keep`` go on."""
-        self.rows, self.num_generated, self.finished = self.rows[keep], self.num_generated[keep], self.finished[keep]
-        self.prompt_lengths, self.anchor_positions = self.prompt_lengths[keep], self.anchor_positions[keep]
+        self.rows = self.rows[keep]
+        self.num_generated = self.num_generated[keep]
+        self.finished = self.finished[keep]
+        self.prompt_lengths = self.prompt_lengths[keep]
+        self.anchor_positions = self.anchor_positions[keep]
         self.last_tokens = self.last_tokens[keep]
         self.host = self.host.keep(keep_host)
 

@@ -56,9 +56,11 @@ class DMTPCandidateGenerator(CandidateGenerator):
         if is_first_iteration or model_outputs is None:
             return input_ids, None
         if not self.started:  # outputs of the prefill: every prompt position
-            rows, start = input_ids.shape[1] - 1, 0
+            rows = input_ids.shape[1] - 1
+            start = 0
         else:  # outputs of the last verify: [A, T1..TK], of which n_last_matches + 1 rows are history now
-            rows, start = n_last_matches + 1, input_ids.shape[1] - n_last_matches - 2
+            rows = n_last_matches + 1
+            start = input_ids.shape[1] - n_last_matches - 2
         features = None
         if self.hidden_indices:
             features = torch.cat([model_outputs.hidden_states[i][:, :rows] for i in self.hidden_indices], dim=-1)

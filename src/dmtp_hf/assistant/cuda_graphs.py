@@ -52,7 +52,8 @@ class CUDAGraphCall:
             except RuntimeError as err:  # an op that cannot be captured (host sync, dynamic shape): stay eager
                 # once per stage (the stage stays eager afterwards); spec_stats.cuda_graphs reports it too
                 warnings.warn(f"CUDA graph capture failed, running eagerly: {err}", RuntimeWarning, stacklevel=2)
-                self.enabled, self.failure = False, str(err)
+                self.enabled = False
+                self.failure = str(err)
                 return self.fn(*inputs)
             self.capture_seconds += time.perf_counter() - started
             self.captures += 1

@@ -61,8 +61,9 @@ class TargetRunner:
         self.mtp_extractor = TargetHiddenExtractor(target, drafter.hidden_input) if drafter.needs_mtp_hidden else None
         self.linear_attention = has_gated_delta_net(target)
 
-    def forward(self, input_ids, positions, attention_mask=None, logits_to_keep: int = 0, capture: bool = True,
-                call=None):  # fmt: skip
+    def forward(
+        self, input_ids, positions, attention_mask=None, logits_to_keep: int = 0, capture: bool = True, call=None
+    ):
         """Target forward over ``input_ids`` ``[B, q]`` at ``positions`` ``[B, q]``: (logits, features, mtp_hidden)."""
         width = input_ids.shape[1]
         kernel_kwargs = verify_kernel_kwargs(self.linear_attention, width)
@@ -115,8 +116,18 @@ def accept(verdict, candidates: torch.Tensor, scores: torch.Tensor, batch: Activ
     return Accepted(new_tokens, counts, accepted, stop)
 
 
-def prefill(runner: TargetRunner, input_ids, attention_mask, max_length: int, stopping: RowStopping, logits_processor,
-            do_sample: bool, rollback: str, streamer, outputs: StepOutputs | None = None):  # fmt: skip
+def prefill(
+    runner: TargetRunner,
+    input_ids,
+    attention_mask,
+    max_length: int,
+    stopping: RowStopping,
+    logits_processor,
+    do_sample: bool,
+    rollback: str,
+    streamer,
+    outputs: StepOutputs | None = None,
+):
     """The target over the prompt and the first generated token: ``(batch, drafter start step, target cache
     state)``; rows that end with the first token are marked finished.
 
@@ -281,15 +292,27 @@ def speculative_decode(
     mode = check_inputs(target, verify_mode, do_sample, input_ids, attention_mask, streamer, verify_length)
     cache = target_cache(target, cache, input_ids.shape[0], max_length, drafter.num_candidates, compile_config)
     stats = stats if stats is not None else SpecStats(drafter.num_candidates, drafter.name)
-    stats.sync_device, requests = input_ids.device if profile else None, [stats.new_request() for _ in input_ids]
+    stats.sync_device = input_ids.device if profile else None
+    requests = [stats.new_request() for _ in input_ids]
     select = TokenSelector(logits_processor, mode in SAMPLED_DRAFTS if draft_sampling is None else draft_sampling)
     processors = RowProcessors(logits_processor, input_ids)  # each row's inputs exactly as plain generate's
     stopping = RowStopping(input_ids, stopping_criteria, eos_token_id, pad_token_id)
-    runner, state = TargetRunner(target, drafter, cache, compile_config), None
+    runner = TargetRunner(target, drafter, cache, compile_config)
+    state = None
     try:
         with stats.stage("prefill"):
-            batch, step, state = prefill(runner, input_ids, attention_mask, max_length, stopping, logits_processor,
-                                         do_sample, rollback, streamer, outputs)  # fmt: skip
+            batch, step, state = prefill(
+                runner,
+                input_ids,
+                attention_mask,
+                max_length,
+                stopping,
+                logits_processor,
+                do_sample,
+                rollback,
+                streamer,
+                outputs,
+            )
         select.for_batch(processors, batch)
         if not batch.done:
             start_drafter(drafter, step, max_length, stats, verify_length, target)
@@ -310,7 +333,8 @@ def speculative_decode(
                     round_ = accept(verdict, candidates, scores, batch, stopping)
                 # 4. Commit the tokens, then the target cache: A and the kept candidates become history.
                 with stats.stage("commit"):
-                    rows, host = batch.host.rows, batch.commit(round_, scores, logits)
+                    rows = batch.host.rows
+                    host = batch.commit(round_, scores, logits)
                     report(requests, rows, host, round_, streamer)
                 with stats.stage("rollback"):
                     state.commit(round_.counts.clamp(min=1), [max(c, 1) for c in host.counts])

@@ -68,12 +68,15 @@ class SlotKV:
         device and capacity: reset in place, so graphs captured on these buffers stay valid across calls."""
         capacity = self.limit if self.fixed_shapes else INITIAL_CAPACITY
         same = self.lengths is not None and self.lengths.shape[0] == batch_size and self.lengths.device == device
-        self.lengths_host, self.span = [0] * batch_size, 0
+        self.lengths_host = [0] * batch_size
+        self.span = 0
         if same and self.capacity == capacity:
             self.lengths.zero_()
             self.positions.fill_(FAR)
             return False
-        self.keys, self.values, self.capacity = {}, {}, capacity
+        self.keys = {}
+        self.values = {}
+        self.capacity = capacity
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.positions = torch.full((batch_size, capacity + 1), FAR, dtype=torch.long, device=device)
         return True
@@ -143,13 +146,15 @@ class SlotKV:
     def restore(self, saved: tuple[torch.Tensor, list[int], int]) -> None:
         """Forget every entry written since :meth:`save`."""
         self.lengths.copy_(saved[0])
-        self.lengths_host, self.span = list(saved[1]), saved[2]
+        self.lengths_host = list(saved[1])
+        self.span = saved[2]
 
     def select_rows(self, rows: torch.Tensor, rows_host: list[int]) -> None:
         """Keep only batch ``rows`` (new buffers: graphs captured on the old ones must be dropped)."""
         self.keys = {i: t.index_select(0, rows) for i, t in self.keys.items()}
         self.values = {i: t.index_select(0, rows) for i, t in self.values.items()}
-        self.lengths, self.positions = self.lengths.index_select(0, rows), self.positions.index_select(0, rows)
+        self.lengths = self.lengths.index_select(0, rows)
+        self.positions = self.positions.index_select(0, rows)
         self.lengths_host = [self.lengths_host[i] for i in rows_host]
 
     def state(self) -> list[torch.Tensor]:
@@ -188,7 +193,8 @@ class MTPState:
 
     def reset(self) -> None:
         """Forget the sequences (the next :meth:`start` or :meth:`consume` begins new ones)."""
-        self.kv.lengths_host, self.pending = [], []
+        self.kv.lengths_host = []
+        self.pending = []
 
     def _begin_batch(self, batch_size: int, device: torch.device) -> None:
         """Empty slots, ``g`` and positions zero (buffers kept when the batch is the previous call's)."""
@@ -221,7 +227,8 @@ class MTPState:
         """Feed the queued pairs to the head in one forward (nothing when none are queued)."""
         if not self.pending:
             return
-        step, self.pending = TargetStep.concat(self.pending), []
+        step = TargetStep.concat(self.pending)
+        self.pending = []
         self.kv.begin(step.num_valid, step.width)
         self._consume(step.next_tokens, step.mtp_hidden, step.positions, step.valid(), ragged=step.mask is not None)
 
@@ -247,10 +254,13 @@ class MTPState:
             return None  # flash-attn's own causal mask is bottom-right aligned: the same visibility
         one_query = positions.shape[1] == 1 and query_valid is None and not self.fixed_shapes  # after every entry
         layout = AttentionLayout(
-            query_positions=positions, key_positions=self.kv.key_positions(),
+            query_positions=positions,
+            key_positions=self.kv.key_positions(),
             key_blocks=torch.full_like(self.kv.key_positions(), -1),
-            context_end=None if one_query else positions + 1, key_valid=key_valid, query_valid=query_valid,
-        )  # fmt: skip
+            context_end=None if one_query else positions + 1,
+            key_valid=key_valid,
+            query_valid=query_valid,
+        )
         return draft_attention_masks(layout, {"mtp": (False, None)}, self.implementation, dtype)["mtp"]
 
     def _consume(self, tokens, hidden, positions, valid, ragged: bool = True) -> torch.Tensor:
@@ -281,7 +291,9 @@ class MTPState:
             raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
         self.flush()
         select = select or (lambda logits: logits.argmax(dim=-1))
-        hidden, position = self.last_hidden, self.next_position - 1  # [B, H], [B] the last committed pair
+        # the last committed pair
+        hidden = self.last_hidden  # [B, H]
+        position = self.next_position - 1  # [B]
         logits = [self.head.logits(hidden)]
         tokens = [select(logits[-1])]
         saved = self.kv.save()
@@ -337,7 +349,8 @@ class DFlashContext:
         prompt features."""
         if self.kv.reset(step.positions.shape[0], step.positions.device):
             self._forward.reset()
-        self.pending, self._prompt_block = [step], True
+        self.pending = [step]
+        self._prompt_block = True
 
     def add(self, step: TargetStep) -> None:
         """Queue the features of newly committed positions (fed to the draft with the next block)."""
@@ -348,7 +361,8 @@ class DFlashContext:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft forward over the block ``[B, Q, H]`` after writing the queued context: the final-normed hidden
         ``[B, n, H]`` and the draft logits ``[B, n, V]`` of the predicted slots."""
-        new, self.pending = TargetStep.concat(self.pending), []
+        new = TargetStep.concat(self.pending)
+        self.pending = []
         span = self.kv.begin(new.num_valid, new.width)
         args = (block_embeds, anchor_positions, new.features, new.positions, new.valid())
         if self._prompt_block:  # the prompt's features: another shape, run eagerly
@@ -364,14 +378,15 @@ class DFlashContext:
         self.kv.prepare(valid, positions)
         block_positions = self.draft.block_position_ids(anchor_positions)  # [B, Q]
         context_valid = self.kv.key_valid()
+        key_valid = None
+        if context_valid is not None:  # the block's own keys are always valid
+            key_valid = torch.cat([context_valid, torch.ones_like(block_positions, dtype=torch.bool)], dim=1)
         layout = AttentionLayout(
             query_positions=block_positions,
             key_positions=torch.cat([self.kv.key_positions(), block_positions], dim=1),
             key_blocks=torch.cat([torch.full_like(self.kv.key_positions(), -1), torch.zeros_like(block_positions)], 1),
-            key_valid=None if context_valid is None else torch.cat(
-                [context_valid, torch.ones_like(block_positions, dtype=torch.bool)], dim=1
-            ),
-        )  # fmt: skip
+            key_valid=key_valid,
+        )
         masks = draft_attention_masks(layout, self.kinds, self.implementation, block_embeds.dtype)
         return self.draft(
             block_embeds, features, torch.cat([positions, block_positions], dim=1), attention_mask=masks, cache=self.kv

@@ -44,7 +44,8 @@ class CandidateWalk:
     def __init__(self, draft: DMTPDraftModel, hidden: torch.Tensor, previous: torch.Tensor, sample: bool) -> None:
         self.selector = draft.candidate_selector
         self.projected = self.selector.hidden_projection(hidden)  # [B, k, r]
-        self.previous, self.sample = previous, sample
+        self.previous = previous
+        self.sample = sample
 
     def __call__(self, slot: int, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The token of ``slot`` from its processed ``scores`` ``[B, V]``, and the walk's scores over V."""
@@ -91,9 +92,13 @@ class Drafter:
         raise NotImplementedError
 
     def propose(
-        self, anchor_ids: torch.Tensor, anchor_positions: torch.Tensor, select: TokenSelector, stats: SpecStats,
+        self,
+        anchor_ids: torch.Tensor,
+        anchor_positions: torch.Tensor,
+        select: TokenSelector,
+        stats: SpecStats,
         max_candidates: int | None = None,
-    ) -> Proposal:  # fmt: skip
+    ) -> Proposal:
         """Propose up to ``max_candidates`` (1..K, default K) tokens per row after A: ``anchor_ids`` ``[B]``, the
         last emitted token (the target has not processed it yet), at ``anchor_positions`` ``[B]``."""
         raise NotImplementedError
@@ -208,7 +213,8 @@ class _StatefulDrafter(Drafter):
     def _plain_round(self, anchor_ids: torch.Tensor, stages: list[list[str]]) -> Proposal | None:
         """An empty proposal (the round is a plain decoding step and runs no drafter stage) at width 0, or in auto
         mode when drafting does not pay from the priors (``stages[k]``: what a width-k round runs); else ``None``."""
-        policy, batch = self.width_policy, anchor_ids.shape[0]
+        policy = self.width_policy
+        batch = anchor_ids.shape[0]
         plain = policy == 0 or (isinstance(policy, AutoWidth) and not policy.drafts(batch, stages))
         return Proposal(anchor_ids.new_empty(batch, 0), None) if plain else None
 
@@ -223,7 +229,8 @@ class _StatefulDrafter(Drafter):
         predicted = policy.acceptance(conf)
         k = policy.best(predicted, stages or [[]] * (self.num_candidates + 1))
         k = min(k, proposal.tokens.shape[1])
-        self._confidence, self._predicted = conf[:, :k], predicted
+        self._confidence = conf[:, :k]
+        self._predicted = predicted
         policy.widths.append(k)
         return Proposal(proposal.tokens[:, :k], proposal.scores[:, :k])
 
@@ -254,7 +261,8 @@ class _StatefulDrafter(Drafter):
     def select_rows(self, rows: torch.Tensor, rows_host: list[int]) -> bool:
         """Drop finished rows from every piece of state."""
         if self._confidence is not None:  # the last proposal's, still to be learned from
-            self._confidence, self._predicted = self._confidence[rows], self._predicted[rows]
+            self._confidence = self._confidence[rows]
+            self._predicted = self._predicted[rows]
         for state in (self.mtp, self.context):
             if state is not None:
                 state.select_rows(rows, rows_host)

@@ -43,9 +43,13 @@ def _is_a(obj: Any, cls: type) -> bool:
 
 
 def as_drafter(
-    assistant: Any, *, strategy: str | None = None, mtp_steps: int = 1, fast_path: bool = False,
+    assistant: Any,
+    *,
+    strategy: str | None = None,
+    mtp_steps: int = 1,
+    fast_path: bool = False,
     cuda_graphs: bool = True,
-) -> Drafter | None:  # fmt: skip
+) -> Drafter | None:
     """The :class:`Drafter` for ``assistant`` (a bound ``DMTPDraftModel``, a native MTP head, or a drafter).
 
     ``strategy`` overrides the default for a draft model: ``"dmtp"`` (layout ``single``/``dual``), ``"dflash"``
@@ -104,9 +108,13 @@ def engine_kwargs(target, drafter: Drafter, streamer, kwargs: dict[str, Any], **
     # a cache of the caller's is theirs to continue: at batch size > 1 the engine leaves it in plain layout
     cache_given = kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None
     return {
-        "custom_generate": dmtp_custom_generate, "dmtp_drafter": drafter, "dmtp_streamer": streamer, **options,
-        "dmtp_cache_given": cache_given, **route_kwargs(target, kwargs),
-    }  # fmt: skip
+        "custom_generate": dmtp_custom_generate,
+        "dmtp_drafter": drafter,
+        "dmtp_streamer": streamer,
+        **options,
+        "dmtp_cache_given": cache_given,
+        **route_kwargs(target, kwargs),
+    }
 
 
 def dmtp_custom_generate(
@@ -180,9 +188,12 @@ def dmtp_custom_generate(
         return sequences
     steps = sequences.shape[1] - input_ids.shape[1]
     return DMTPGenerateOutput(
-        sequences=sequences, cache=cache, spec_stats=stats, scores=outputs and outputs.steps("scores", steps),
+        sequences=sequences,
+        cache=cache,
+        spec_stats=stats,
+        scores=outputs and outputs.steps("scores", steps),
         logits=outputs and outputs.steps("logits", steps),
-    )  # fmt: skip
+    )
 
 
 def compiled_verify_config(target, compile: bool | CompileConfig, generation_config=None) -> CompileConfig | None:
@@ -229,6 +240,11 @@ def generate(
             f"Cannot draft with {type(assistant).__name__}; pass a DMTPDraftModel, NativeMTPHead or Drafter."
         )
     original = getattr(target, ROUTER_ORIGINAL, target.generate)
-    options = {"dmtp_verify_mode": verify_mode, "dmtp_draft_sampling": draft_sampling, "dmtp_profile": profile,
-               "dmtp_verify_length": verify_length, "dmtp_compile": compile}  # fmt: skip
+    options = {
+        "dmtp_verify_mode": verify_mode,
+        "dmtp_draft_sampling": draft_sampling,
+        "dmtp_profile": profile,
+        "dmtp_verify_length": verify_length,
+        "dmtp_compile": compile,
+    }
     return original(input_ids, **engine_kwargs(target, drafter, streamer, generate_kwargs, **options))

@@ -57,7 +57,8 @@ class _GateCapture:
     """Forward hooks on one layer's gate projections; keeps ``b`` and ``a`` ``[B, T, heads]`` of the last call."""
 
     def __init__(self, layer: torch.nn.Module, recorder: GatedDeltaRollback) -> None:
-        self.layer, self.recorder = layer, recorder
+        self.layer = layer
+        self.recorder = recorder
         self.b: torch.Tensor | None = None
         self.a: torch.Tensor | None = None
         if hasattr(layer, "in_proj_b") and hasattr(layer, "in_proj_a"):
@@ -168,7 +169,13 @@ class GatedDeltaRollback:
             else kernels.torch_chunk_gated_delta_rule
         )
         _, state = kernel_fn(
-            query, key, value, g=g, beta=beta, initial_state=initial, output_final_state=True,
+            query,
+            key,
+            value,
+            g=g,
+            beta=beta,
+            initial_state=initial,
+            output_final_state=True,
             use_qk_l2norm_in_kernel=True,
-        )  # fmt: skip
+        )
         return state

@@ -37,21 +37,45 @@ from .verification import select_tokens
 # Transformers' processors and criteria that are pure functions of their rows, so a call on some rows gives those
 # rows' results; with the per-row tensors some of them hold, sliced to the rows of the call.
 _ROW_WISE = (
-    lp.TemperatureLogitsWarper, lp.TopKLogitsWarper, lp.TopPLogitsWarper, lp.MinPLogitsWarper,
-    lp.TypicalLogitsWarper, lp.EpsilonLogitsWarper, lp.EtaLogitsWarper, lp.RepetitionPenaltyLogitsProcessor,
-    lp.NoRepeatNGramLogitsProcessor, lp.NoBadWordsLogitsProcessor, lp.SequenceBiasLogitsProcessor,
-    lp.MinLengthLogitsProcessor, lp.MinNewTokensLengthLogitsProcessor, lp.SuppressTokensLogitsProcessor,
-    lp.SuppressTokensAtBeginLogitsProcessor, lp.ForcedBOSTokenLogitsProcessor, lp.ForcedEOSTokenLogitsProcessor,
-    lp.ExponentialDecayLengthPenalty, lp.InfNanRemoveLogitsProcessor, lp.LogitNormalization,
-    sc.StopStringCriteria, sc.MaxLengthCriteria, sc.EosTokenCriteria, sc.ConfidenceCriteria,
-)  # fmt: skip
+    lp.TemperatureLogitsWarper,
+    lp.TopKLogitsWarper,
+    lp.TopPLogitsWarper,
+    lp.MinPLogitsWarper,
+    lp.TypicalLogitsWarper,
+    lp.EpsilonLogitsWarper,
+    lp.EtaLogitsWarper,
+    lp.RepetitionPenaltyLogitsProcessor,
+    lp.NoRepeatNGramLogitsProcessor,
+    lp.NoBadWordsLogitsProcessor,
+    lp.SequenceBiasLogitsProcessor,
+    lp.MinLengthLogitsProcessor,
+    lp.MinNewTokensLengthLogitsProcessor,
+    lp.SuppressTokensLogitsProcessor,
+    lp.SuppressTokensAtBeginLogitsProcessor,
+    lp.ForcedBOSTokenLogitsProcessor,
+    lp.ForcedEOSTokenLogitsProcessor,
+    lp.ExponentialDecayLengthPenalty,
+    lp.InfNanRemoveLogitsProcessor,
+    lp.LogitNormalization,
+    sc.StopStringCriteria,
+    sc.MaxLengthCriteria,
+    sc.EosTokenCriteria,
+    sc.ConfidenceCriteria,
+)
 # Transformers' processors whose output does not depend on ``input_ids`` at all (not even its length): checked by
 # reading their ``__call__`` (tests/test_lossless.py holds the list to that).
 _PREFIX_FREE = (
-    lp.TemperatureLogitsWarper, lp.TopKLogitsWarper, lp.TopPLogitsWarper, lp.MinPLogitsWarper,
-    lp.TypicalLogitsWarper, lp.EpsilonLogitsWarper, lp.EtaLogitsWarper, lp.LogitNormalization,
-    lp.InfNanRemoveLogitsProcessor, lp.SuppressTokensLogitsProcessor,
-)  # fmt: skip
+    lp.TemperatureLogitsWarper,
+    lp.TopKLogitsWarper,
+    lp.TopPLogitsWarper,
+    lp.MinPLogitsWarper,
+    lp.TypicalLogitsWarper,
+    lp.EpsilonLogitsWarper,
+    lp.EtaLogitsWarper,
+    lp.LogitNormalization,
+    lp.InfNanRemoveLogitsProcessor,
+    lp.SuppressTokensLogitsProcessor,
+)
 _PER_ROW_TENSORS = {lp.RepetitionPenaltyLogitsProcessor: ("prompt_ignore_length",)}
 
 
@@ -239,7 +263,8 @@ class TokenSelector:
 
     def for_batch(self, rows: RowProcessors, batch: ActiveBatch) -> TokenSelector:
         """Process with exact per-row inputs for the rows of ``batch`` (the decoding loop's)."""
-        self.rows, self.batch = rows, batch
+        self.rows = rows
+        self.batch = batch
         return self
 
     def for_prefix(self, prefix: torch.Tensor) -> TokenSelector:
@@ -252,7 +277,8 @@ class TokenSelector:
         tests that look at the whole sequence (it synchronises; the engine's drafters never call it)."""
         if self.batch is None:
             return [self.prefix[b : b + 1] for b in range(self.prefix.shape[0])]
-        prompt, lengths = self.rows.inputs.prompt, self.batch.prompt_lengths.tolist()
+        prompt = self.rows.inputs.prompt
+        lengths = self.batch.prompt_lengths.tolist()
         return [
             torch.cat([prompt[row, prompt.shape[1] - length :], self.batch.tokens[row, :generated]])[None]
             for row, length, generated in zip(self.batch.host.rows, lengths, self.batch.host.generated, strict=True)

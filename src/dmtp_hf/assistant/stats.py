@@ -208,8 +208,11 @@ class SpecStats:
         for key, value in (data.get("stage_seconds") or {}).items():
             stats.stage_seconds[key] += float(value)
         graphs = data.get("cuda_graphs") or {}
-        stats.cuda_graphs = {"captures": int(graphs.get("captures", 0)), "replays": int(graphs.get("replays", 0)),
-                             "failures": list(graphs.get("failures", []))}  # fmt: skip
+        stats.cuda_graphs = {
+            "captures": int(graphs.get("captures", 0)),
+            "replays": int(graphs.get("replays", 0)),
+            "failures": list(graphs.get("failures", [])),
+        }
         for width, count in (data.get("verify_widths") or {}).items():
             stats.verify_widths[int(width)] += int(count)
         stats.skipped_drafts = int(data.get("skipped_drafts", 0))

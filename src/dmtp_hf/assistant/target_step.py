@@ -56,7 +56,8 @@ class TargetStep:
         width = max(self.num_valid)
         step = self._map(lambda t: t[:, :width])
         if min(self.num_valid) == width:
-            step.mask, step.num_valid = None, None
+            step.mask = None
+            step.num_valid = None
         return step
 
     @staticmethod

@@ -48,11 +48,15 @@ _PRIORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # -> {(name, K
 # Before any evidence a candidate is assumed accepted this often (a calibrated draft: its calibration's held-out
 # rate), worth this many observations: optimistic, so a new draft is tried before it is judged. Later evidence moves
 # the estimate with weight >= PRIOR_RATE.
-PRIOR_ACCEPTANCE, PRIOR_WEIGHT, PRIOR_RATE = 0.9, 2.0, 0.1
+PRIOR_ACCEPTANCE = 0.9
+PRIOR_WEIGHT = 2.0
+PRIOR_RATE = 0.1
 # Plain rounds between probes of a draft that does not pay (`AutoWidth.drafts`): the first wait, and the longest
 # the doubling reaches unless a probe costs so much that EXPLORATION (the share of the time probes may lose against
 # plain decoding) asks for a longer one.
-FIRST_PROBE_INTERVAL, MAX_PROBE_INTERVAL, EXPLORATION = 2, 32, 0.02
+FIRST_PROBE_INTERVAL = 2
+MAX_PROBE_INTERVAL = 32
+EXPLORATION = 0.02
 
 
 def confidences(tokens: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -123,7 +127,8 @@ def _isotonic(sums: list[float], counts: list[int]) -> list[float]:
             s, c, n = merged.pop()
             merged[-1] = [merged[-1][0] + s, merged[-1][1] + c, merged[-1][2] + n]
     values = [b[0] / b[1] for b in merged for _ in range(int(b[2]))]
-    out, filled = [], iter(values)
+    out = []
+    filled = iter(values)
     last = values[0] if values else 0.5
     for count in counts:
         last = next(filled) if count else last
@@ -197,7 +202,9 @@ def width_policy(verify_length: int | str | None, target, drafter, batch_size: i
         return None
     num_candidates = drafter.num_candidates
     if isinstance(verify_length, AutoWidth):  # a policy built by the caller (its own costs or calibration)
-        verify_length.widths, verify_length.skipped, verify_length.plain = [], 0, 0
+        verify_length.widths = []
+        verify_length.skipped = 0
+        verify_length.plain = 0
         return verify_length
     if verify_length == "auto":
         draft = getattr(drafter, "draft", None)
@@ -208,8 +215,13 @@ def width_policy(verify_length: int | str | None, target, drafter, batch_size: i
         key = (getattr(drafter, "name", type(drafter).__name__), num_candidates)
         # across calls: the estimates (lists, shared) and the probe schedule (`AutoWidth.memory`)
         learned = _PRIORS.setdefault(source, {})
-        fresh = {"prior": policy.prior, "seen": policy.seen, "mean_confidence": policy.mean_confidence,
-                 "probe_interval": policy.probe_interval, "since_probe": 0}  # fmt: skip
+        fresh = {
+            "prior": policy.prior,
+            "seen": policy.seen,
+            "mean_confidence": policy.mean_confidence,
+            "probe_interval": policy.probe_interval,
+            "since_probe": 0,
+        }
         policy.memory = learned.setdefault(key, fresh)
         for name, value in policy.memory.items():
             setattr(policy, name, value)
@@ -230,7 +242,9 @@ class AutoWidth:
     """Chooses the number of candidates of a round (see the module docstring)."""
 
     def __init__(self, cost: CostModel, calibration: Calibration, max_candidates: int) -> None:
-        self.cost, self.calibration, self.max_candidates = cost, calibration, max_candidates
+        self.cost = cost
+        self.calibration = calibration
+        self.max_candidates = max_candidates
         # P(accepted | earlier accepted) per position, learned; before any round the calibration's held-out rates,
         # or optimistic for a draft without them
         base = calibration.base_rates
@@ -241,7 +255,8 @@ class AutoWidth:
         self.widths: list[int] = []  # the chosen width of every round
         self.skipped = 0  # rounds that ran no draft forward beyond T1 (or none at all)
         self.plain = 0  # of which rounds that ran no drafter stage at all (`drafts`)
-        self.probe_interval, self.since_probe = FIRST_PROBE_INTERVAL, 0  # plain rounds between probes (`drafts`)
+        self.probe_interval = FIRST_PROBE_INTERVAL  # plain rounds between probes (`drafts`)
+        self.since_probe = 0  # plain rounds since the last probe
         self.memory: dict[str, Any] | None = None  # what later calls for the same draft start from (`width_policy`)
 
     def best(self, known: torch.Tensor, draft_stages: list[list[str]]) -> int:
@@ -272,7 +287,8 @@ class AutoWidth:
         if self.since_probe + 1 < self.probe_interval:
             self._schedule(self.probe_interval, self.since_probe + 1)
             self.widths.append(0)
-            self.skipped, self.plain = self.skipped + 1, self.plain + 1
+            self.skipped += 1
+            self.plain += 1
             return False
         self._schedule(min(2 * self.probe_interval, self._longest_interval(batch_size, draft_stages)), 0)
         self.probing = True
@@ -287,7 +303,8 @@ class AutoWidth:
         return max(MAX_PROBE_INTERVAL, math.ceil(loss / (EXPLORATION * step)))
 
     def _schedule(self, interval: int, since_probe: int) -> None:
-        self.probe_interval, self.since_probe = interval, since_probe
+        self.probe_interval = interval
+        self.since_probe = since_probe
         if self.memory is not None:
             self.memory.update(probe_interval=interval, since_probe=since_probe)
 
@@ -303,7 +320,8 @@ class AutoWidth:
         cut = predicted[:, k:].float().mean(0) if predicted is not None else conf.new_zeros(0)
         tested = [reached.sum(0).float(), passed.sum(0).float(), (conf.float() * reached).sum(0)]
         values = torch.cat([*tested, cut]).tolist()  # one host sync
-        counts, cut_means = [values[i * k : (i + 1) * k] for i in range(3)], values[3 * k :]
+        counts = [values[i * k : (i + 1) * k] for i in range(3)]
+        cut_means = values[3 * k :]
         for j, (tested_j, accepted_j, confidence) in enumerate(zip(*counts, strict=True)):
             if tested_j:
                 self._update(j, tested_j, accepted_j, confidence)

@@ -115,8 +115,16 @@ def stats_entry(stats: SpecStats, extra: dict[str, Any] | None = None) -> dict[s
     return _finite({**stats.to_dict(), **(extra or {})})
 
 
-def _run_prompt_set(pset: PromptSet, labels: list[str], strategies: list[Strategy], target, tokenizer,
-                    settings: EvalSettings, gen_kwargs: dict[str, Any], bar):  # fmt: skip
+def _run_prompt_set(
+    pset: PromptSet,
+    labels: list[str],
+    strategies: list[Strategy],
+    target,
+    tokenizer,
+    settings: EvalSettings,
+    gen_kwargs: dict[str, Any],
+    bar,
+):
     """Every turn of one prompt set under every label (plain ``generate`` first): statistics, per-request
     metadata, wall seconds and a digest of the generated tokens, per label."""
     device = next(target.parameters()).device

@@ -72,10 +72,14 @@ def reliability(calibration: Calibration, pairs: list[tuple[int, float, bool]], 
         predicted = calibration(torch.cat([torch.zeros(len(own), position), conf], dim=1))[:, position]
         bins = (predicted * num_bins).long().clamp(max=num_bins - 1)
         curve = [
-            {"predicted": float(predicted[bins == b].mean()), "observed": float(observed[bins == b].mean()),
-             "count": int((bins == b).sum())}
-            for b in range(num_bins) if bool((bins == b).any())
-        ]  # fmt: skip
+            {
+                "predicted": float(predicted[bins == b].mean()),
+                "observed": float(observed[bins == b].mean()),
+                "count": int((bins == b).sum()),
+            }
+            for b in range(num_bins)
+            if bool((bins == b).any())
+        ]
         rows.append(
             {
                 "position": position + 1,
@@ -101,10 +105,20 @@ def plot_reliability(report: dict[str, list[dict[str, Any]]], path: str | os.Pat
         axis.plot([0, 1], [0, 1], color="grey", linestyle=":", linewidth=1)
         for row in rows:
             curve = row["curve"]
-            axis.plot([c["predicted"] for c in curve], [c["observed"] for c in curve], marker="o", markersize=3,
-                      label=f"T{row['position']} (Brier {row['brier_calibrated']:.3f})")  # fmt: skip
-        axis.set(title=f"{label}: held-out reliability", xlabel="predicted P(accepted)", ylabel="observed",
-                 xlim=(0, 1), ylim=(0, 1))  # fmt: skip
+            axis.plot(
+                [c["predicted"] for c in curve],
+                [c["observed"] for c in curve],
+                marker="o",
+                markersize=3,
+                label=f"T{row['position']} (Brier {row['brier_calibrated']:.3f})",
+            )
+        axis.set(
+            title=f"{label}: held-out reliability",
+            xlabel="predicted P(accepted)",
+            ylabel="observed",
+            xlim=(0, 1),
+            ylim=(0, 1),
+        )
         axis.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -99,10 +99,14 @@ def _add_common(parser: argparse.ArgumentParser, default_output: str) -> None:
         help="default: greedy at T=0, match otherwise",
     )
     work.add_argument(
-        "--verify-length", type=_verify_length, default=None,
-        help="candidates verified per round: a number (at most K), or auto (chosen per round from the draft's "
-        "confidence and the measured cost of a verify; default: all K)",
-    )  # fmt: skip
+        "--verify-length",
+        type=_verify_length,
+        default=None,
+        help=(
+            "candidates verified per round: a number (at most K), or auto (chosen per round from the draft's "
+            "confidence and the measured cost of a verify; default: all K)"
+        ),
+    )
     work.add_argument("--no-chat-template", action="store_true", help="feed raw prompts (no chat template)")
     work.add_argument("--enable-thinking", action="store_true", help="render the chat template with thinking on")
     work.add_argument("--seed", type=int, default=0)
@@ -147,9 +151,10 @@ def add_subcommands(sub) -> None:
     bench.add_argument("--prompt-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens (default 10)")
     bench.add_argument("--repeats", type=int, default=1, help="repeat the workload (interleaved) N times")
     bench.add_argument(
-        "--compile", action="store_true",
+        "--compile",
+        action="store_true",
         help="compile the target's verify forward (static cache, batch size 1) and add plain generate compiled",
-    )  # fmt: skip
+    )
     bench.set_defaults(func=cmd_bench)
 
     calibrate = sub.add_parser(
@@ -162,9 +167,14 @@ def add_subcommands(sub) -> None:
     )
     calibrate.add_argument("--bins", type=int, default=10, help="confidence bins per position (default 10)")
     calibrate.add_argument(
-        "--held-out", type=float, default=0.25, help="fraction of recorded candidates the reported Brier scores and "
-        "reliability curves are computed on (fit on the rest; the stored fit uses all)",
-    )  # fmt: skip
+        "--held-out",
+        type=float,
+        default=0.25,
+        help=(
+            "fraction of recorded candidates the reported Brier scores and reliability curves are computed on "
+            "(fit on the rest; the stored fit uses all)"
+        ),
+    )
     calibrate.set_defaults(func=cmd_calibrate)
 
     push = sub.add_parser("push", help="upload a DMTP checkpoint with a generated model card to the Hugging Face Hub")
@@ -220,9 +230,15 @@ def _load(args: argparse.Namespace) -> dict[str, Any]:
     settings = _settings(args)
     prompt_sets = resolve_prompt_sets(args.datasets, args.prompts, settings.limit)
     paths = resolve_model_paths(
-        args.target, args.draft, args.dflash_draft, tokenizer=args.tokenizer, extra_drafts=dict(args.extra_draft),
-        mtp_head=args.mtp_head, heads=dict(args.head), bundle=args.bundle,
-    )  # fmt: skip
+        args.target,
+        args.draft,
+        args.dflash_draft,
+        tokenizer=args.tokenizer,
+        extra_drafts=dict(args.extra_draft),
+        mtp_head=args.mtp_head,
+        heads=dict(args.head),
+        bundle=args.bundle,
+    )
     labels = parse_strategies(args.strategies, paths)
     device, dtype = resolve_device_dtype(args.device, args.dtype)
     target = load_target(paths.target, device, dtype)
@@ -263,23 +279,40 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         raise ValueError("no strategy with a draft checkpoint to calibrate (MTP-k strategies store no calibration)")
     for strategy in drafts:
         strategy.verify_length = CalibrationRecorder(strategy.num_candidates)
-    run_acceptance_eval(loaded["target"], loaded["tokenizer"], loaded["prompt_sets"], drafts, loaded["settings"],
-                        paths=loaded["paths"], progress=not args.no_progress)  # fmt: skip
+    run_acceptance_eval(
+        loaded["target"],
+        loaded["tokenizer"],
+        loaded["prompt_sets"],
+        drafts,
+        loaded["settings"],
+        paths=loaded["paths"],
+        progress=not args.no_progress,
+    )
     report, curves, console = {}, {}, _console()
     for strategy in drafts:
         pairs = strategy.verify_length.pairs
         fit, held = split_pairs(pairs, args.held_out, seed=args.seed)
         rows = reliability(Calibration.fit(fit, num_bins=args.bins), held, args.bins)  # judged on held-out pairs
         calibration = Calibration.fit(pairs, num_bins=args.bins)  # what is stored: fitted on everything
-        report[strategy.label] = {"checkpoint": strategy.checkpoint, "pairs": len(pairs), "held_out": len(held),
-                                  **calibration.to_dict(), "positions": rows}  # fmt: skip
+        report[strategy.label] = {
+            "checkpoint": strategy.checkpoint,
+            "pairs": len(pairs),
+            "held_out": len(held),
+            **calibration.to_dict(),
+            "positions": rows,
+        }
         curves[strategy.label] = rows
         table = Table(title=f"{strategy.label}: P(accepted | confidence) per candidate position (held-out Brier)")
         for column in ("position", "tested", "accepted", "Brier raw", "Brier calibrated"):
             table.add_column(column, justify="right")
         for row in rows:
-            table.add_row(str(row["position"]), str(row["tested"]), f"{100 * row['acceptance']:.1f}%",
-                          f"{row['brier_confidence']:.4f}", f"{row['brier_calibrated']:.4f}")  # fmt: skip
+            table.add_row(
+                str(row["position"]),
+                str(row["tested"]),
+                f"{100 * row['acceptance']:.1f}%",
+                f"{row['brier_confidence']:.4f}",
+                f"{row['brier_calibrated']:.4f}",
+            )
         console.print(table)
         if args.write:
             console.print(f"wrote {store_calibration(strategy.checkpoint.partition('@')[0], calibration)}")

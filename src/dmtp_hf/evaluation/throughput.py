@@ -76,8 +76,16 @@ def build_baselines(
         width = strategy.verify_length if strategy.verify_length is not None else verify_length
 
         def ours(ids: torch.Tensor, mask: torch.Tensor, drafter=strategy.drafter, width=width) -> torch.Tensor:
-            return dmtp_generate(target, ids, drafter, verify_mode=verify_mode, attention_mask=mask,
-                                 verify_length=width, compile=compile, **gen_kwargs)  # fmt: skip
+            return dmtp_generate(
+                target,
+                ids,
+                drafter,
+                verify_mode=verify_mode,
+                attention_mask=mask,
+                verify_length=width,
+                compile=compile,
+                **gen_kwargs,
+            )
 
         what = {"dmtp": "DMTP (native MTP T1 + DFlash T2..)", "dflash": "our DFlash", "mtp": "our native MTP"}[
             strategy.kind
@@ -129,8 +137,9 @@ def compiled_plain_baseline(target, gen_kwargs: dict[str, Any]) -> Baseline:
     config._compile_all_devices = True
 
     def run(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return target.generate(ids, attention_mask=mask, cache_implementation="static", compile_config=config,
-                               **gen_kwargs)  # fmt: skip
+        return target.generate(
+            ids, attention_mask=mask, cache_implementation="static", compile_config=config, **gen_kwargs
+        )
 
     return Baseline("generate_compiled", "plain target.generate, compiled (static cache)", run, max_batch_size=1)
 
@@ -160,8 +169,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _warm_up(baselines: list[Baseline], prompt: torch.Tensor, pad_id: int, device, progress: bool,
-             batch_sizes: tuple[int, ...] = (1,)) -> None:  # fmt: skip
+def _warm_up(
+    baselines: list[Baseline],
+    prompt: torch.Tensor,
+    pad_id: int,
+    device,
+    progress: bool,
+    batch_sizes: tuple[int, ...] = (1,),
+) -> None:
     """One warm-up per method and batch size (kernels, MTP/assistant loading, caches, and what ``auto`` widths time
     once per batch size); a method that fails here is skipped."""
     for baseline in tqdm(baselines, desc="dmtp bench warm-up", disable=not progress, dynamic_ncols=True):

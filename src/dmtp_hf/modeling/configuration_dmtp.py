@@ -25,7 +25,17 @@ import os
 from typing import Any
 
 from huggingface_hub.dataclasses import strict
+from huggingface_hub.errors import StrictDataclassError
 from transformers import Qwen3Config
+
+from .validation import (
+    check_acceptance_calibration,
+    check_mask_token_id,
+    check_positive_float,
+    check_positive_int,
+    check_target_layer_ids,
+    require_mask_token_id,
+)
 
 ANCHOR_LAYOUTS = ("dflash", "single", "dual")
 FUSIONS = ("none", "hidden_residual", "residual", "replace")
@@ -191,19 +201,14 @@ class DMTPConfig(Qwen3Config):
             raise ValueError(
                 f"Unknown mtp_hidden_input {self.mtp_hidden_input!r}; expected one of {MTP_HIDDEN_INPUTS}."
             )
-        n = self.num_candidates
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"num_candidates must be a positive integer, got {n!r}.")
-        if layout != "dflash" and n < 2:
+        for name in ("num_candidates", "fusion_rank", "mtp_hidden_size"):
+            check_positive_int(name, self.dmtp_config.get(name))
+        if layout != "dflash" and self.num_candidates < 2:
             raise ValueError(f"anchor_layout={layout!r} needs num_candidates >= 2 (T1 from MTP + DFlash slots).")
-        ids = self.target_layer_ids
-        if ids is not None:
-            if not ids or any(not isinstance(i, int) or i < 0 for i in ids):
-                raise ValueError(f"target_layer_ids must be non-negative integers, got {ids!r}.")
-            if self.num_target_layers is not None and max(ids) >= self.num_target_layers:
-                raise ValueError(f"target_layer_ids {ids} out of range for num_target_layers={self.num_target_layers}.")
-        if self.mask_token_id is not None and not 0 <= self.mask_token_id:
-            raise ValueError(f"mask_token_id must be >= 0, got {self.mask_token_id}.")
+        check_target_layer_ids(self.target_layer_ids, self.num_target_layers)
+        check_mask_token_id(self.mask_token_id, self.vocab_size)
+        check_positive_float("rms_norm_eps", self.rms_norm_eps)
+        check_acceptance_calibration(self.dmtp_config.get("acceptance_calibration"))
         if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.vocab_size:
             raise ValueError(
                 f"draft_vocab_size must be in 1..vocab_size={self.vocab_size}, got {self.draft_vocab_size}."
@@ -341,10 +346,22 @@ class DMTPConfig(Qwen3Config):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs) -> DMTPConfig:
-        """Load a DMTP or DFlash ``config.json`` (local folder or Hub repo) without the model-type warning."""
+        """Load a DMTP or DFlash ``config.json`` (local folder or Hub repo) without the model-type warning.
+
+        A field of the wrong type or value, or a missing ``dflash_config.mask_token_id``, raises ``ValueError``
+        prefixed with the file (``.../config.json: ...``)."""
         require_local_directory(pretrained_model_name_or_path)
+        path = os.fspath(pretrained_model_name_or_path)
+        where = path if path.endswith(".json") else os.path.join(path, kwargs.get("subfolder") or "", "config.json")
         config_dict, kwargs = cls.get_config_dict(pretrained_model_name_or_path, **kwargs)
-        return cls.from_dict(config_dict, **kwargs)
+        try:
+            loaded = cls.from_dict(config_dict, **kwargs)
+            config = loaded[0] if isinstance(loaded, tuple) else loaded  # (config, unused kwargs) on request
+            config.validate_dmtp()  # again: keyword overrides were set after construction
+            require_mask_token_id(config)
+        except (ValueError, StrictDataclassError) as err:  # a wrong field names its file: the caller loaded a folder
+            raise ValueError(f"{where}: {' '.join(str(err).split())}") from err  # strict's errors span lines
+        return loaded
 
     @property
     def checkpoint_without_fusion(self) -> bool:

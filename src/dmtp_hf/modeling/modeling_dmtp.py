@@ -43,6 +43,7 @@ from .draft_vocab import draft_logits, register_draft_vocabulary
 from .engine_export import dflash_state_dict
 from .fusion import FirstCandidateFusion
 from .io import check_finite, check_loading_info, save_dflash_checkpoint
+from .validation import check_checkpoint_tensors
 
 # ----------------------------------------------------------------------------------------------------
 # 1. Backbone (visibility: attention_masks.py)
@@ -462,8 +463,8 @@ class DMTPDraftModel(DMTPPreTrainedModel):
         A DFlash checkpoint (``architectures: ["DFlashDraftModel"]``, no ``dmtp_config``) loads as DFlash with
         ``block_size - 1`` candidates; with ``anchor_layout="dual"`` its fusion starts at zero, exactly "DFlash
         conditioned on T1". Config fields can be overridden as keyword arguments (``num_candidates=7``).
-        Any other missing, unexpected or mis-shaped tensor raises ``ValueError`` naming it. ``target`` binds
-        the draft (see :meth:`bind`).
+        Any other missing, unexpected, mis-shaped or integer-stored float tensor raises ``ValueError`` naming it.
+        ``target`` binds the draft (see :meth:`bind`) and must own any ``embed_tokens``/``lm_head`` copy stored.
         """
         require_local_directory(pretrained_model_name_or_path)
         want_info = kwargs.pop("output_loading_info", False)
@@ -477,6 +478,7 @@ class DMTPDraftModel(DMTPPreTrainedModel):
         check_finite(model.state_dict().items(), f"The checkpoint {pretrained_model_name_or_path}")
         if target is not None:
             model.bind(target)
+        check_checkpoint_tensors(model, pretrained_model_name_or_path, kwargs, target)  # after bind's own checks
         return (model, info) if want_info else model
 
     def save_dflash(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:

@@ -40,9 +40,19 @@ logger = logging.getLogger(__name__)
 # Settings a resumed run may change without changing the weights it produces (logging, checkpoints, evaluation, and
 # the LM-head chunking, a memory/speed trade: tests/test_training.py trains the same weights either way).
 HARMLESS_CHANGES = frozenset(
-    {"log_every", "report_to", "eval_every", "eval_batch_size", "save_every", "save_total_limit", "resume_from",
-     "output_dir", "allow_config_change", "logits_chunk_size"}
-)  # fmt: skip
+    {
+        "log_every",
+        "report_to",
+        "eval_every",
+        "eval_batch_size",
+        "save_every",
+        "save_total_limit",
+        "resume_from",
+        "output_dir",
+        "allow_config_change",
+        "logits_chunk_size",
+    }
+)
 
 
 def check_resumed_config(saved: dict[str, Any], current: dict[str, Any], directory: Path) -> None:
@@ -84,8 +94,8 @@ _STALE_WRITE = re.compile(r"\.step-\d+\.(tmp-[A-Za-z0-9_]+|partial)")
 
 def remove_stale_writes(root: str | os.PathLike) -> list[Path]:
     """Delete the temporary folders that interrupted checkpoint writes left in ``root`` (``.step-N.tmp-*``, the
-    pattern of `atomic_directory`, and ``.step-N.partial``; checkpoints and any other file stay) and return them. Call it only while no
-    checkpoint is being written into ``root``."""
+    pattern of `atomic_directory`, and ``.step-N.partial``; checkpoints and any other file stay) and return them.
+    Call it only while no checkpoint is being written into ``root``."""
     root = Path(root)
     if not root.is_dir():
         return []
@@ -206,8 +216,16 @@ class CheckpointMixin:
             prefix = "draft_objective.model." if joint else "model."  # the gathered state dict (FSDP/DeepSpeed)
             weights = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
         head = self.trained_head if head_dir is not None else None
-        save_models(draft, head, self.target, draft_dir=draft_dir, head_dir=head_dir, step=self.step,
-                    draft_state_dict=weights, dtype=dtype)  # fmt: skip
+        save_models(
+            draft,
+            head,
+            self.target,
+            draft_dir=draft_dir,
+            head_dir=head_dir,
+            step=self.step,
+            draft_state_dict=weights,
+            dtype=dtype,
+        )
 
     def export(self, directory: str | os.PathLike, head_directory: str | os.PathLike | None = None) -> None:
         """Write what was trained, each atomically with a ``training.json``: the draft as a plain `DMTPDraftModel`
@@ -288,8 +306,12 @@ class CheckpointMixin:
             saved = DMTPDraftModel.from_pretrained(directory / "model", target=self.target)
             self.draft.load_state_dict(saved.state_dict())  # in place, into the fp32 masters
         if self.trained_head is not None:
-            saved_head = load_native_mtp(self.target, checkpoint=directory / "mtp_head", dtype=torch.float32,
-                                         hidden_input=self.config.mtp_hidden_input)  # fmt: skip
+            saved_head = load_native_mtp(
+                self.target,
+                checkpoint=directory / "mtp_head",
+                dtype=torch.float32,
+                hidden_input=self.config.mtp_hidden_input,
+            )
             self.trained_head.load_state_dict(saved_head.state_dict())
         self.scheduler.last_epoch = self.step - 1
         with warnings.catch_warnings():  # "step() before optimizer.step()": no step is skipped, the schedule is set
@@ -297,8 +319,10 @@ class CheckpointMixin:
             self.scheduler.step()
         self.rewarm_from = self.step
         if self.accelerator.is_main_process:
-            print(f"{directory} holds no optimizer state: fresh AdamW moments, learning rate ramped up again over "
-                  f"{self.config.rewarm_steps} steps")  # fmt: skip
+            print(
+                f"{directory} holds no optimizer state: fresh AdamW moments, learning rate ramped up again over "
+                f"{self.config.rewarm_steps} steps"
+            )
 
     def _rewarm_learning_rate(self) -> None:
         """After a weights-only resume, scale the scheduled learning rate by a linear ramp over ``rewarm_steps``."""

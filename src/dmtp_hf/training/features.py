@@ -274,8 +274,8 @@ def extract_features(
     out.mkdir(parents=True, exist_ok=True)
     num_shards = max(1, -(-len(dataset) // shard_size))
     mine = [k for k in range(num_shards) if k % world_size == rank and not (out / shard_name(k)).is_file()]
-    bar = tqdm(total=sum(min(shard_size, len(dataset) - k * shard_size) for k in mine), desc="features",
-               disable=not progress)  # fmt: skip
+    todo = sum(min(shard_size, len(dataset) - k * shard_size) for k in mine)  # records in this process's shards
+    bar = tqdm(total=todo, desc="features", disable=not progress)
     for k in mine:
         indices = range(k * shard_size, min((k + 1) * shard_size, len(dataset)))
         items = []
@@ -359,9 +359,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     head = None if args.no_mtp else freeze(load_native_mtp(target, hidden_input=args.hidden_input))
     thinking = {"true": True, "false": False, "unset": None}[args.enable_thinking]
     dataset = load_dataset_records(
-        args.data, tokenizer=args.tokenizer or _target_dir(args.target), max_length=args.max_length,
-        enable_thinking=thinking, vocab_size=target.config.get_text_config().vocab_size,
-    )  # fmt: skip
+        args.data,
+        tokenizer=args.tokenizer or _target_dir(args.target),
+        max_length=args.max_length,
+        enable_thinking=thinking,
+        vocab_size=target.config.get_text_config().vocab_size,
+    )
     dtype = None if args.dtype == "keep" else getattr(torch, args.dtype)
     extractor = FeatureExtractor(
         target,
@@ -371,10 +374,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         head_inputs=args.head_inputs,
         target_labels=args.target_labels,
     )
-    options = dict(batch_size=args.batch_size, shard_size=args.shard_size, dtype=dtype,
-                   metadata={"target": str(args.target), "data": str(args.data)})  # fmt: skip
-    extract_features(extractor, dataset, args.output, rank=state.process_index, world_size=state.num_processes,
-                     write_index=False, progress=state.is_main_process, **options)  # fmt: skip
+    options = dict(
+        batch_size=args.batch_size,
+        shard_size=args.shard_size,
+        dtype=dtype,
+        metadata={"target": str(args.target), "data": str(args.data)},
+    )
+    extract_features(
+        extractor,
+        dataset,
+        args.output,
+        rank=state.process_index,
+        world_size=state.num_processes,
+        write_index=False,
+        progress=state.is_main_process,
+        **options,
+    )
     state.wait_for_everyone()
     if state.is_main_process:  # every shard exists now: only the index is written
         out = extract_features(extractor, dataset, args.output, progress=False, **options)

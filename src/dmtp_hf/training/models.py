@@ -82,8 +82,9 @@ def build_mtp_head(config: TrainConfig, target: nn.Module) -> NativeMTPHead | No
     if config.mtp_retrofit and not config.mtp_init_from:
         head = new_mtp_head(target, hidden_input=config.mtp_hidden_input, dtype=dtype)
     else:
-        head = load_native_mtp(target, checkpoint=config.mtp_init_from, hidden_input=config.mtp_hidden_input,
-                               dtype=dtype)  # fmt: skip
+        head = load_native_mtp(
+            target, checkpoint=config.mtp_init_from, hidden_input=config.mtp_hidden_input, dtype=dtype
+        )
     return head.requires_grad_(True).train() if trained else freeze(head)
 
 

@@ -171,8 +171,19 @@ class JointObjective(nn.Module):
         """The MTP head being trained."""
         return self.head_objective.head
 
-    def forward(self, input_ids, plan, context, loss_mask, head_hidden, final_hidden=None, normalizer=None,
-                mtp_normalizer=None, target_next=None, **_: object):  # fmt: skip
+    def forward(
+        self,
+        input_ids,
+        plan,
+        context,
+        loss_mask,
+        head_hidden,
+        final_hidden=None,
+        normalizer=None,
+        mtp_normalizer=None,
+        target_next=None,
+        **_: object,
+    ):
         """Both losses on one micro-batch; returns ``(draft output, head output)`` with the summed ``loss``."""
         head_out = self.head_objective(input_ids, loss_mask, head_hidden, final_hidden, mtp_normalizer, target_next)
         with torch.no_grad():

@@ -204,8 +204,8 @@ def regenerate_endpoint(
         history: list[dict[str, str]] = []
         for end in _turns_to_generate(source):
             history.extend(source[len(history) : end])
-            reply = _chat_completion(url, {"model": model, "messages": history, **sampling}, record_id, retries,
-                                     timeout)  # fmt: skip
+            request = {"model": model, "messages": history, **sampling}
+            reply = _chat_completion(url, request, record_id, retries, timeout)
             history.append({"role": "assistant", "content": reply})
         history.extend(source[len(history) :])
         return {"id": record_id, "messages": history}
@@ -246,16 +246,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--enable-thinking", choices=["true", "false", "unset"], default="unset")
     parser.add_argument("--limit", type=int, default=None, help="stop after this many records in total")
     parser.add_argument("--device", default=None)
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="auto: the checkpoint's dtype on GPU, float32 on CPU (bf16 is slow there)")  # fmt: skip
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="auto: the checkpoint's dtype on GPU, float32 on CPU (bf16 is slow there)",
+    )
     args = parser.parse_args(argv)
     thinking = {"true": True, "false": False, "unset": None}[args.enable_thinking]
     if args.endpoint:
         n = regenerate_endpoint(
-            args.endpoint, args.input, args.output, model=args.model, concurrency=args.concurrency,
-            temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens, enable_thinking=thinking,
+            args.endpoint,
+            args.input,
+            args.output,
+            model=args.model,
+            concurrency=args.concurrency,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            max_tokens=args.max_new_tokens,
+            enable_thinking=thinking,
             limit=args.limit,
-        )  # fmt: skip
+        )
         print(f"regenerated {n} records through {args.endpoint} -> {args.output}")
         return 0
     if not args.target:
@@ -268,8 +279,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     target = load_target(args.target, dtype=dtype if dtype == "auto" else getattr(torch, dtype), device=device)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.target)
     n = regenerate(
-        target, tokenizer, args.input, args.output, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature, enable_thinking=thinking, limit=args.limit,
-    )  # fmt: skip
+        target,
+        tokenizer,
+        args.input,
+        args.output,
+        batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        enable_thinking=thinking,
+        limit=args.limit,
+    )
     print(f"regenerated {n} records -> {args.output}")
     return 0

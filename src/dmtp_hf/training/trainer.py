@@ -198,8 +198,10 @@ class Trainer(CheckpointMixin):
         ids, stats = frequency_ranked_vocabulary(answers, model.d2t.numel(), model.t2d.numel(), always)
         set_draft_vocabulary(model, ids)
         if self.accelerator.is_main_process:
-            print(f"{what}: {len(ids)} of {model.t2d.numel()} tokens, {stats['coverage']:.1%} of the training "
-                  f"answers' tokens")  # fmt: skip
+            print(
+                f"{what}: {len(ids)} of {model.t2d.numel()} tokens, {stats['coverage']:.1%} of the training "
+                f"answers' tokens"
+            )
         return stats
 
     def _build_objective(self, draft: nn.Module | None) -> nn.Module:
@@ -291,9 +293,11 @@ class Trainer(CheckpointMixin):
             )
             if self.config.train_mtp_head == "frozen" and self.mtp_head is not None and "mtp_hidden" not in features:
                 # offline features without the head's outputs: the frozen head runs here, its guess only at anchors
-                inputs.update(self.extractor.mtp_features(
-                    batch["input_ids"], features["head_hidden"], token_positions=(plan.anchors - 1).clamp(min=0)
-                ))  # fmt: skip
+                inputs.update(
+                    self.extractor.mtp_features(
+                        batch["input_ids"], features["head_hidden"], token_positions=(plan.anchors - 1).clamp(min=0)
+                    )
+                )
         return inputs
 
     def _step_inputs(self, step: int) -> list[dict[str, Any]]:
@@ -364,13 +368,11 @@ class Trainer(CheckpointMixin):
         inputs = self._step_inputs(self.step)
         # Global normalisers (known before any forward): the draft's slot weights and the head's supervised positions
         # over every micro-batch of every process, times the number of processes, which DDP averages over.
-        local = torch.stack(
-            [
-                torch.stack([x["plan"].weight_sum if "plan" in x else x["loss_mask"].new_zeros(()).float(),
-                             mtp_positions(x["loss_mask"]).sum().float()])
-                for x in inputs
-            ]
-        ).sum(dim=0)  # fmt: skip
+        per_micro_batch = []
+        for x in inputs:
+            draft_weight = x["plan"].weight_sum if "plan" in x else x["loss_mask"].new_zeros(()).float()
+            per_micro_batch.append(torch.stack([draft_weight, mtp_positions(x["loss_mask"]).sum().float()]))
+        local = torch.stack(per_micro_batch).sum(dim=0)
         totals = acc.reduce(local.detach().clone(), reduction="sum").clamp(min=1e-6) / acc.num_processes
         normalizer, mtp_normalizer = totals[0], totals[1]
 
@@ -482,9 +484,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="YAML training config (see configs/)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     parser.add_argument(
-        "--snapshot", metavar="DIR", help="do not train: copy the run's newest checkpoint to DIR/step-N, weights in "
-        "bfloat16 and no optimizer state (small enough to commit; the run resumes from it, see docs/scaling.md)"
-    )  # fmt: skip
+        "--snapshot",
+        metavar="DIR",
+        help=(
+            "do not train: copy the run's newest checkpoint to DIR/step-N, weights in bfloat16 and no optimizer "
+            "state (small enough to commit; the run resumes from it, see docs/scaling.md)"
+        ),
+    )
     args = parser.parse_args(argv)
     config = TrainConfig.from_yaml(args.config, args.set)
     if args.snapshot:

@@ -1,0 +1,264 @@
+"""Checkpoints that Transformers would load although they are wrong are refused at load, naming the file, the field
+or tensor, and what was expected (``modeling/validation.py``)."""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import VOCAB, draft_for, tiny_draft_config
+from safetensors.torch import load_file, save_file
+from test_checkpoint_layouts import rewrite_config
+from test_modeling import write_dflash_checkpoint
+
+import dmtp_hf.bundled
+from dmtp_hf import DMTPConfig, DMTPDraftModel
+from dmtp_hf.assistant.widths import Calibration
+from dmtp_hf.modeling.draft_vocab import set_draft_vocabulary
+from dmtp_hf.modeling.validation import check_acceptance_calibration
+
+SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+CALIBRATION = {"edges": [0.5, 1.0], "rates": [[0.2, 0.9], [0.1, 0.8]], "base_rates": [0.7, 0.5]}
+
+
+def store_as_int(path: Path, name: str, file: str = "model.safetensors") -> None:
+    """Rewrite one tensor of ``file`` as int32 (the values x100, as a bad quantisation or export would leave them)."""
+    tensors = load_file(path / file)
+    tensors[name] = (tensors[name] * 100).to(torch.int32)
+    save_file(tensors, str(path / file))
+
+
+def shard(path: Path) -> None:
+    """Split ``model.safetensors`` into two shards plus ``model.safetensors.index.json``, as large checkpoints are."""
+    tensors = load_file(path / "model.safetensors")
+    (path / "model.safetensors").unlink()
+    names = sorted(tensors)
+    halves = dict(zip(SHARDS, (names[: len(names) // 2], names[len(names) // 2 :]), strict=True))
+    for file, keys in halves.items():
+        save_file({key: tensors[key] for key in keys}, str(path / file), metadata={"format": "pt"})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    weight_map = {key: file for file, keys in halves.items() for key in keys}
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def dmtp_layout(path: Path, **dmtp_config) -> None:
+    """Make the DFlash checkpoint a DMTP one (a `dmtp_config`, layout 'dflash': no fusion tensors to add)."""
+    rewrite_config(path, dmtp_config={"anchor_layout": "dflash", "fusion": "none", "num_candidates": 7, **dmtp_config})
+
+
+def dflash_config(**changes) -> dict:
+    return {"mask_token_id": VOCAB - 1, "target_layer_ids": [0, 2], **changes}
+
+
+def sharded_int(path: Path) -> None:
+    shard(path)
+    store_as_int(path, "layers.1.mlp.down_proj.weight", SHARDS[1])  # sorted names: layers.1.* is in the 2nd shard
+
+
+CASES = [
+    # 1. integer storage for a floating-point parameter (cast silently: the weights truncated)
+    pytest.param(
+        lambda p: store_as_int(p, "layers.0.self_attn.q_proj.weight"),
+        r"model\.safetensors: 'layers\.0\.self_attn\.q_proj\.weight' is stored as I32, expected a floating-point",
+        id="int32-weight",
+    ),
+    pytest.param(
+        sharded_int,
+        r"model-00002-of-00002\.safetensors: 'layers\.1\.mlp\.down_proj\.weight' is stored as I32, expected a floa",
+        id="int32-weight-sharded",
+    ),
+    # 3. config fields of the wrong type or value
+    pytest.param(
+        lambda p: rewrite_config(p, dflash_config=dflash_config(target_layer_ids=[True, 3])),
+        r"config\.json: target_layer_ids must be non-negative integers \(not booleans\), got \[True, 3\]",
+        id="bool-target-layer-id",
+    ),
+    pytest.param(
+        lambda p: rewrite_config(p, dflash_config=dflash_config(target_layer_ids=[-1, 2])),
+        r"config\.json: target_layer_ids must be non-negative integers",
+        id="negative-target-layer-id",
+    ),
+    pytest.param(
+        lambda p: rewrite_config(p, rms_norm_eps=-1),
+        r"config\.json: .*'rms_norm_eps' expected float, got int \(value: -1\)",
+        id="eps-int",
+    ),
+    pytest.param(
+        lambda p: rewrite_config(p, rms_norm_eps=-1.0),
+        r"config\.json: rms_norm_eps must be a positive float, got -1\.0",
+        id="eps-negative",
+    ),
+    pytest.param(
+        lambda p: rewrite_config(p, dflash_config=dflash_config(mask_token_id="3")),
+        r"config\.json: dflash_config\.mask_token_id must be an integer in \[0, vocab_size=96\), got '3'",
+        id="mask-token-string",
+    ),
+    pytest.param(
+        lambda p: rewrite_config(p, dflash_config=dflash_config(mask_token_id=VOCAB)),
+        r"config\.json: dflash_config\.mask_token_id must be an integer in \[0, vocab_size=96\), got 96",
+        id="mask-token-outside-vocab",
+    ),
+    pytest.param(
+        lambda p: rewrite_config(p, dflash_config=None),
+        r"config\.json: dflash_config\.mask_token_id is missing",
+        id="no-dflash-config",
+    ),
+    pytest.param(
+        lambda p: rewrite_config(p, dflash_config={"target_layer_ids": [0, 2]}),
+        r"config\.json: dflash_config\.mask_token_id is missing",
+        id="no-mask-token",
+    ),
+    pytest.param(
+        lambda p: dmtp_layout(p, acceptance_calibration="oops"),
+        r"config\.json: dmtp_config\.acceptance_calibration must be a dict with 'edges', 'rates' and 'base_rates'",
+        id="calibration-string",
+    ),
+    pytest.param(
+        lambda p: dmtp_layout(p, acceptance_calibration={"rates": [[0.5]]}),
+        r"config\.json: dmtp_config\.acceptance_calibration is missing \['edges'\]",
+        id="calibration-no-edges",
+    ),
+    pytest.param(
+        lambda p: dmtp_layout(p, acceptance_calibration={**CALIBRATION, "rates": [[0.2, 0.9], [0.1]]}),
+        r"config\.json: dmtp_config\.acceptance_calibration\.rates must be a list .* of 2 probabilities",
+        id="calibration-ragged-rates",
+    ),
+    pytest.param(
+        lambda p: dmtp_layout(p, acceptance_calibration={**CALIBRATION, "edges": [1.0, 0.5]}),
+        r"config\.json: dmtp_config\.acceptance_calibration\.edges must be increasing numbers in \(0, 1\]",
+        id="calibration-decreasing-edges",
+    ),
+    pytest.param(
+        lambda p: dmtp_layout(p, acceptance_calibration={**CALIBRATION, "base_rates": "high"}),
+        r"config\.json: dmtp_config\.acceptance_calibration\.base_rates must be a list of probabilities",
+        id="calibration-base-rates",
+    ),
+    pytest.param(
+        lambda p: dmtp_layout(p, num_candidates=True),
+        r"config\.json: num_candidates must be a positive integer, got True",
+        id="num-candidates-bool",
+    ),
+    pytest.param(
+        lambda p: dmtp_layout(p, fusion_rank="64"),
+        r"config\.json: fusion_rank must be a positive integer, got '64'",
+        id="fusion-rank-string",
+    ),
+    pytest.param(
+        lambda p: dmtp_layout(p, mtp_hidden_size=0),
+        r"config\.json: mtp_hidden_size must be a positive integer, got 0",
+        id="mtp-hidden-size-zero",
+    ),
+    pytest.param(
+        lambda p: dmtp_layout(p, anchor_layout="triple"),
+        r"config\.json: Unknown anchor_layout 'triple'",
+        id="anchor-layout-unknown",
+    ),
+    pytest.param(
+        lambda p: dmtp_layout(p, mtp_hidden_input="middle"),
+        r"config\.json: Unknown mtp_hidden_input 'middle'",
+        id="mtp-hidden-input-unknown",
+    ),
+]
+
+
+@pytest.mark.parametrize("break_it, match", CASES)
+def test_a_broken_checkpoint_is_refused_at_load_naming_the_file_and_the_field(tmp_path, break_it, match):
+    write_dflash_checkpoint(tmp_path, num_layers=2)
+    break_it(tmp_path)
+    with pytest.raises(ValueError, match=match) as refused:
+        DMTPDraftModel.from_pretrained(tmp_path)
+    assert str(tmp_path) in str(refused.value)  # the checkpoint is named, not only the field
+
+
+def test_sound_variants_of_those_checkpoints_still_load(tmp_path):
+    # sharded, stored in bf16 for an fp32 model (a float-to-float cast is fine), DMTP layout with a calibration
+    tensors = write_dflash_checkpoint(tmp_path, num_layers=2)
+    save_file({k: v.to(torch.bfloat16) for k, v in tensors.items()}, str(tmp_path / "model.safetensors"))
+    shard(tmp_path)
+    dmtp_layout(tmp_path, acceptance_calibration=CALIBRATION)
+    draft = DMTPDraftModel.from_pretrained(tmp_path, dtype=torch.float32)
+    assert draft.fc.weight.dtype == torch.float32
+    assert torch.equal(draft.fc.weight, tensors["fc.weight"].to(torch.bfloat16).float())
+    assert draft.config.dmtp_config["acceptance_calibration"] == CALIBRATION
+
+
+def test_in_memory_configs_get_the_same_field_checks():
+    with pytest.raises(ValueError, match=r"target_layer_ids must be non-negative integers \(not booleans\)"):
+        tiny_draft_config(target_layer_ids=[True, 3])
+    with pytest.raises(ValueError, match=r"dflash_config\.mask_token_id must be an integer"):
+        tiny_draft_config(mask_token_id="3")
+    with pytest.raises(ValueError, match="rms_norm_eps must be a positive float"):
+        tiny_draft_config(rms_norm_eps=-1.0)
+    with pytest.raises(ValueError, match="acceptance_calibration must be a dict"):
+        tiny_draft_config(dmtp_config={"acceptance_calibration": ["oops"]})
+
+
+def test_every_calibration_dmtp_calibrate_writes_passes():
+    pairs = [(position, conf / 10, conf > 3 + position) for position in range(3) for conf in range(10)]
+    for calibration in (Calibration.fit(pairs), Calibration.fit([]), Calibration()):
+        check_acceptance_calibration(calibration.to_dict())
+        check_acceptance_calibration(json.loads(json.dumps(calibration.to_dict())))  # as read back from config.json
+    bundled = [p.parent for p in Path(dmtp_hf.bundled.__file__).parent.rglob("config.json")]
+    calibrated = [p for p in bundled if "acceptance_calibration" in (p / "config.json").read_text()]
+    assert calibrated  # the bundled drafts carry fits, older ones without base rates
+    for folder in calibrated:
+        assert DMTPConfig.from_pretrained(folder).dmtp_config["acceptance_calibration"]["rates"]
+
+
+# ----------------------------------------------------------------------------------------------------
+# 2. Stored copies of the target's embedding / LM head
+
+
+def write_with_copies(path: Path, target, embed: torch.Tensor | None = None, head: torch.Tensor | None = None) -> None:
+    """A DFlash checkpoint carrying ``embed_tokens.weight`` / ``lm_head.weight`` (default: the target's own)."""
+    write_dflash_checkpoint(path, num_layers=2)
+    tensors = load_file(path / "model.safetensors")
+    tensors["embed_tokens.weight"] = target.get_input_embeddings().weight.detach().clone() if embed is None else embed
+    tensors["lm_head.weight"] = target.get_output_embeddings().weight.detach().clone() if head is None else head
+    save_file(tensors, str(path / "model.safetensors"))
+
+
+def ignored_warnings(caught) -> list[str]:
+    return [str(w.message) for w in caught if "which the draft ignores" in str(w.message)]
+
+
+def test_copies_of_the_target_tensors_load_with_that_target(tmp_path, target):
+    # as z-lab previews ship them; a bf16 copy of an fp32 target head is the same weights within bf16 rounding
+    write_with_copies(tmp_path, target, head=target.get_output_embeddings().weight.detach().to(torch.bfloat16))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        draft = DMTPDraftModel.from_pretrained(tmp_path, target=target)
+    assert draft.target is target and not ignored_warnings(caught)
+
+
+@pytest.mark.parametrize("name, what", [("embed_tokens.weight", "input embedding"), ("lm_head.weight", "LM head")])
+def test_copies_that_are_not_the_target_tensors_are_refused(tmp_path, target, name, what):
+    own = (target.get_input_embeddings() if name == "embed_tokens.weight" else target.get_output_embeddings()).weight
+    other = own.detach() + 0.01 * torch.randn_like(own)  # another target's (a fine-tune of the same base, say)
+    write_with_copies(tmp_path, target, **{"embed" if name == "embed_tokens.weight" else "head": other})
+    with pytest.raises(ValueError, match=rf"model\.safetensors: '{re.escape(name)}' .* is not the target's {what}"):
+        DMTPDraftModel.from_pretrained(tmp_path, target=target)
+
+
+def test_copies_loaded_without_a_target_are_named_in_a_warning(tmp_path, target):
+    write_with_copies(tmp_path, target, head=torch.randn(VOCAB, target.config.hidden_size))
+    with pytest.warns(UserWarning, match=r"\['embed_tokens\.weight', 'lm_head\.weight'\], which the draft ignores"):
+        DMTPDraftModel.from_pretrained(tmp_path)
+
+
+def test_a_draft_vocabulary_lm_head_is_left_alone(tmp_path, target):
+    # its `lm_head.weight` is the target head's subset rows (engines read it from the draft folder): not a copy
+    draft = draft_for(target, draft_vocab_size=VOCAB // 4, anchor_layout="dflash", fusion="none")
+    set_draft_vocabulary(draft, torch.randperm(VOCAB, generator=torch.Generator().manual_seed(3))[: VOCAB // 4])
+    draft.save_dflash(tmp_path)
+    assert load_file(tmp_path / "model.safetensors")["lm_head.weight"].shape[0] == VOCAB // 4
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = DMTPDraftModel.from_pretrained(tmp_path, target=target)
+        DMTPDraftModel.from_pretrained(tmp_path)
+    assert torch.equal(loaded.d2t, draft.d2t) and not ignored_warnings(caught)
