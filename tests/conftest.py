@@ -54,6 +54,27 @@ def tiny_draft_config(**overrides) -> DMTPConfig:
     return DMTPConfig(**kwargs)
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: the tiny training models are overhead-bound, and more threads oversubscribe the CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def assert_decodes_as_plain_generate(target, draft, num_candidates: int, strategy: str) -> None:
+    """``target.generate`` with ``draft`` equals plain greedy ``generate``, through ``strategy`` proposing
+    ``num_candidates`` per round (the acceptance histogram has one bin per count 0..num_candidates)."""
+    prompt = torch.tensor([[5, 17, 42, 9, 77, 3, 64]])
+    plain = target.generate(prompt, do_sample=False, max_new_tokens=40)
+    out = target.generate(
+        prompt, assistant_model=draft, do_sample=False, max_new_tokens=40, return_dict_in_generate=True
+    )
+    assert torch.equal(out.sequences, plain)
+    assert out.spec_stats.strategy == strategy and len(out.spec_stats.hist) == num_candidates + 1
+
+
 @pytest.fixture(autouse=True)
 def fresh_accelerator_state():
     """accelerate keeps one process-wide state: a test asking for bf16 after another made it with "no" must not fail

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from conftest import HIDDEN, VOCAB, tiny_qwen3_target
+from conftest import HIDDEN, VOCAB, assert_decodes_as_plain_generate, tiny_qwen3_target
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from test_modeling import write_dflash_checkpoint
@@ -58,18 +58,12 @@ def test_zlab_dflash_checkpoint_decodes_as_dflash_with_its_block_by_default(tmp_
     write_dflash_checkpoint(tmp_path, num_layers=2)
     draft = DMTPDraftModel.from_pretrained(tmp_path, target=target)
     assert (draft.config.anchor_layout, draft.config.fusion, draft.config.num_candidates) == ("dflash", "none", 15)
-    prompt = torch.tensor([[5, 17, 42, 9, 77, 3, 64]])
-    plain = target.generate(prompt, do_sample=False, max_new_tokens=40)
-    out = target.generate(
-        prompt, assistant_model=draft, do_sample=False, max_new_tokens=40, return_dict_in_generate=True
-    )
-    assert torch.equal(out.sequences, plain)
-    assert out.spec_stats.strategy == "dflash" and len(out.spec_stats.hist) == 16
+    assert_decodes_as_plain_generate(target, draft, num_candidates=15, strategy="dflash")
     assert DMTPDraftModel.from_pretrained(tmp_path, num_candidates=7).config.num_candidates == 7
     dmtp = DMTPDraftModel.from_pretrained(tmp_path, target=target, anchor_layout="dual")
     assert (dmtp.config.anchor_layout, dmtp.config.fusion) == ("dual", "residual") and dmtp.fusion.is_noop()
     with pytest.raises(RuntimeError, match="anchor_layout='dflash' to decode it as DFlash"):
-        target.generate(prompt, assistant_model=dmtp, do_sample=False, max_new_tokens=4)
+        target.generate(torch.tensor([[5, 17, 42]]), assistant_model=dmtp, do_sample=False, max_new_tokens=4)
 
 
 def test_gpt_oss_dflash_with_attention_bias_loads(tmp_path, target):

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import draft_for
+from conftest import assert_decodes_as_plain_generate, draft_for
 from safetensors.torch import load_file, save_file
 from test_engine import OracleMix, greedy_reference
 from test_fast_path import Recorder
@@ -94,13 +94,7 @@ def test_zlab_dflash2_checkpoint_decodes_as_dflash2_with_its_block_by_default(tm
     write_zlab_dflash2(tmp_path, target)
     draft = DMTPDraftModel.from_pretrained(tmp_path, target=target)
     assert (draft.config.anchor_layout, draft.config.backbone, draft.config.num_candidates) == ("dflash", "dflash2", 15)
-    prompt = torch.tensor([[5, 17, 42, 9, 77, 3, 64]])
-    plain = target.generate(prompt, do_sample=False, max_new_tokens=40)
-    out = target.generate(
-        prompt, assistant_model=draft, do_sample=False, max_new_tokens=40, return_dict_in_generate=True
-    )
-    assert torch.equal(out.sequences, plain)
-    assert out.spec_stats.strategy == "dflash" and len(out.spec_stats.hist) == 16  # 0..15 accepted per round
+    assert_decodes_as_plain_generate(target, draft, num_candidates=15, strategy="dflash")
 
 
 def test_incomplete_dflash2_checkpoint_is_refused_naming_the_tensor(tmp_path, targets):

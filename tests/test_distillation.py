@@ -30,12 +30,7 @@ from dmtp_hf.training.mtp_objective import MTPHeadObjective
 VOCAB, MASK = 128, 127
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # the tiny models are overhead-bound
 
 
 @pytest.fixture(scope="module")

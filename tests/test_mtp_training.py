@@ -20,13 +20,7 @@ from dmtp_hf.testing.tiny_targets import FAMILIES, TINY_FP8_BLOCK, make_tiny_tar
 from dmtp_hf.training import Trainer, synthetic_greedy_dataset
 from dmtp_hf.training.features import load_target
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # the tiny models are overhead-bound
 
 
 @pytest.fixture(scope="module")

@@ -47,13 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 VOCAB, MASK = 128, 127
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # The tiny models are overhead-bound; one thread avoids oversubscribing the shared CPU.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # the tiny models are overhead-bound
 
 
 @pytest.fixture(scope="module")

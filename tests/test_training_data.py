@@ -10,6 +10,7 @@ import logging
 
 import pytest
 import torch
+from test_training import make_config as training_config
 
 from dmtp_hf.modeling import io
 from dmtp_hf.modeling.io import atomic_directory
@@ -21,13 +22,7 @@ from dmtp_hf.training.features import load_target
 VOCAB, MASK = 128, 127
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # The tiny models are overhead-bound; one thread avoids oversubscribing the shared CPU.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # the tiny models are overhead-bound
 
 
 @pytest.fixture(scope="module")
@@ -36,22 +31,8 @@ def target(tmp_path_factory):
 
 
 def make_config(tmp_path, **overrides) -> TrainConfig:
-    values = dict(
-        target_model="unused",
-        draft_config=dict(mask_token_id=MASK, target_layer_ids=[0, 1], num_hidden_layers=1, intermediate_size=64),
-        train_data="unused",
-        max_length=32,
-        num_anchors=8,
-        micro_batch_size=4,
-        max_steps=2,
-        output_dir=str(tmp_path / "run"),
-        save_every=2,
-        eval_every=0,
-        report_to="none",
-        resume_from="auto",
-    )
-    values.update(overrides)
-    return TrainConfig.from_dict(values)
+    """test_training's tiny run: two steps, a checkpoint at the end, resumed automatically."""
+    return training_config(tmp_path, **{"max_steps": 2, "save_every": 2, "resume_from": "auto", **overrides})
 
 
 def write_records(path, records) -> None:

@@ -13,6 +13,14 @@ INITIAL_COLUMNS = 256  # generated tokens held per row before the buffers first 
 UNREACHABLE_BUDGET = 1 << 62
 
 
+def widened(buffer: torch.Tensor, kept: int, columns: int, fill) -> torch.Tensor:
+    """``buffer`` ``[B, c, ...]`` with ``columns`` + 1 columns (the last is scratch), its first ``kept`` kept and
+    every other one ``fill``."""
+    grown = buffer.new_full((buffer.shape[0], columns + 1, *buffer.shape[2:]), fill)
+    grown[:, :kept] = buffer[:, :kept]
+    return grown
+
+
 @dataclass
 class Accepted:
     """What a round commits: ``new_tokens`` ``[B, k+1]`` (accepted candidates, then the bonus), of which the first
@@ -54,9 +62,7 @@ class StepOutputs:
     def grow(self, old_columns: int, num_columns: int) -> None:
         """Widen every buffer to ``num_columns`` token columns (plus the scratch one), keeping what is written."""
         for name, buffer in self.buffers.items():
-            grown = buffer.new_full((buffer.shape[0], num_columns + 1, buffer.shape[2]), float("-inf"))
-            grown[:, :old_columns] = buffer[:, :old_columns]
-            self.buffers[name] = grown
+            self.buffers[name] = widened(buffer, old_columns, num_columns, float("-inf"))
 
     def steps(self, name: str, length: int) -> tuple[torch.Tensor, ...] | None:
         """The first ``length`` steps of ``name`` as a tuple of ``[B0, V]`` tensors (``None`` if not asked for)."""
@@ -146,9 +152,7 @@ class ActiveBatch:
             return
         old = self.columns
         self.columns = min(max(needed, 2 * old), self.budget)
-        grown = self.tokens.new_full((self.tokens.shape[0], self.columns + 1), self.pad)
-        grown[:, :old] = self.tokens[:, :old]
-        self.tokens = grown
+        self.tokens = widened(self.tokens, old, self.columns, self.pad)
         if self.outputs is not None:
             self.outputs.grow(old, self.columns)
 

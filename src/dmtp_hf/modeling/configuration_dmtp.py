@@ -325,7 +325,9 @@ class DMTPConfig(Qwen3Config):
             config_dict["_loaded_from_dflash"] = True
             # A DFlash/DFlash2 checkpoint decodes as what it is, with the block it was trained with; DMTP on its
             # weights (zero-init fusion) is an explicit `anchor_layout="dual"`.
-            block = (config_dict.get("dflash_config") or {}).get("block_size", config_dict.get("block_size", 16))
+            block = (config_dict.get("dflash_config") or {}).get(
+                "block_size", config_dict.get("block_size", cls.block_size)
+            )
             config_dict["dmtp_config"] = {"anchor_layout": kwargs.get("anchor_layout") or "dflash"}
             if not kwargs.get("num_candidates") and isinstance(block, int) and block >= 2:
                 config_dict["dmtp_config"]["num_candidates"] = block - 1
