@@ -2,17 +2,19 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-$(shell cat setup.cfg pyproject.toml | cksum | cut -d' ' -f1)
+STAMP := $(VENV)/.installed-$(shell cat setup.cfg pyproject.toml assets/pyproject.toml | cksum | cut -d' ' -f1)
 # CPU wheel of torch on CPU machines; the pin is satisfied before any dependency can pull a CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: demo test test-vllm lint format install clean smollm2 demo-smollm2
 
-$(STAMP): setup.cfg pyproject.toml
+$(STAMP): setup.cfg pyproject.toml assets/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[dev]"
+	# The bundled toy models and test helpers: a second local distribution, so the library's wheel holds only the library.
+	$(BIN)/python -m pip install -q --no-deps -e ./assets
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 

@@ -53,7 +53,7 @@ class AlwaysRejected(DrafterWrapper):
 
 def build_random_target(hidden: int, layers: int, vocab: int, directory: Path):
     """A random Qwen3.5-architecture target (GDN + gated attention, MTP head) saved in the real layout."""
-    from dmtp_hf.testing.tiny_targets import load_tiny_target, make_tiny_target
+    from dmtp_hf_assets.tiny_targets import load_tiny_target, make_tiny_target
 
     overrides = {
         "hidden_size": hidden,

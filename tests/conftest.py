@@ -6,7 +6,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from dmtp_hf import DMTPConfig, DMTPDraftModel
-from dmtp_hf.testing.tiny_targets import FAMILIES, load_tiny_target, make_tiny_target
+from dmtp_hf_assets.tiny_targets import FAMILIES, load_tiny_target, make_tiny_target
 
 VOCAB = 96
 HIDDEN = 32

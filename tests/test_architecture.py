@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from conftest import draft_for
 
-from dmtp_hf.testing.tiny_targets import load_tiny_target, make_tiny_target
+from dmtp_hf_assets.tiny_targets import load_tiny_target, make_tiny_target
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "dmtp_hf"
 # Each layer may import only the layers listed after it (and itself).
@@ -66,7 +66,7 @@ def imports_of(path: Path) -> set[str]:
 
 
 def library_modules() -> dict[str, Path]:
-    return {module_name(p): p for p in PACKAGE.rglob("*.py") if "testing" not in p.relative_to(PACKAGE).parts}
+    return {module_name(p): p for p in PACKAGE.rglob("*.py")}
 
 
 def resolve(name: str, modules: dict[str, Path]) -> str | None:
@@ -80,13 +80,13 @@ def layer_of(module: str) -> str | None:
     return parts[1] if len(parts) > 1 else None
 
 
-def test_layers_import_only_downwards_and_never_the_test_helpers():
+def test_layers_import_only_downwards_and_never_the_assets():
     modules = library_modules()
     problems = []
     for name, path in modules.items():
         layer = layer_of(name)
         for imported in imports_of(path):
-            if imported.startswith("dmtp_hf.testing"):
+            if imported.startswith("dmtp_hf_assets"):  # test helpers and toy weights: not the library's
                 problems.append(f"{name} imports {imported}")
                 continue
             target = layer_of(imported)
@@ -185,3 +185,13 @@ def test_two_targets_in_two_threads_equal_sequential_runs(targets, tmp_path):
     for got, expected, (target, prompt, _) in zip(results, sequential, runs):
         assert torch.equal(got, expected)
         assert torch.equal(got, target.generate(prompt, do_sample=False, max_new_tokens=40))
+
+
+def test_the_wheel_holds_the_library_only():
+    """Toy weights and test helpers live in assets/ (a second local distribution), not in the package."""
+    files = [p for p in PACKAGE.rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+    weights = [str(p.relative_to(PACKAGE)) for p in files if p.suffix in {".safetensors", ".bin", ".gguf", ".pt"}]
+    assert not weights, f"weights inside the package: {weights}"
+    assert not (PACKAGE / "testing").exists(), "test helpers belong to assets/dmtp_hf_assets"
+    size = sum(p.stat().st_size for p in files)
+    assert size < 5 * 2**20, f"src/dmtp_hf holds {size / 2**20:.1f} MB (the wheel should stay under 5 MB)"

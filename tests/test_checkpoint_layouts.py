@@ -13,7 +13,7 @@ from test_modeling import write_dflash_checkpoint
 from dmtp_hf import DMTPDraftModel
 from dmtp_hf.cli import main
 from dmtp_hf.modeling.native_mtp import load_native_mtp
-from dmtp_hf.testing.tiny_targets import load_tiny_target, make_tiny_target, read_checkpoint_tensors
+from dmtp_hf_assets.tiny_targets import load_tiny_target, make_tiny_target, read_checkpoint_tensors
 
 
 def rewrite_config(path, **changes):

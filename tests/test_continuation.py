@@ -11,7 +11,7 @@ from conftest import draft_for
 from test_lossless import TEMPERATURE, chi_square_p, exact_distribution
 
 from dmtp_hf.assistant import DMTPDrafter, speculative_decode
-from dmtp_hf.testing.tiny_targets import load_tiny_target, make_tiny_target
+from dmtp_hf_assets.tiny_targets import load_tiny_target, make_tiny_target
 
 
 @pytest.fixture(scope="module")

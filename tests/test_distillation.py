@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from dmtp_hf.modeling import load_native_mtp
-from dmtp_hf.testing.tiny_targets import make_tiny_target
 from dmtp_hf.training import (
     FeatureExtractor,
     OfflineFeatureDataset,
@@ -26,6 +25,7 @@ from dmtp_hf.training import (
 from dmtp_hf.training.data import mixed_dataset, parse_mix_item
 from dmtp_hf.training.features import freeze, load_target, teacher_labels
 from dmtp_hf.training.mtp_objective import MTPHeadObjective
+from dmtp_hf_assets.tiny_targets import make_tiny_target
 
 VOCAB, MASK = 128, 127
 

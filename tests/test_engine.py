@@ -11,7 +11,7 @@ from transformers.cache_utils import DynamicCache, LinearAttentionCacheLayerMixi
 from dmtp_hf.assistant import SpecStats, speculative_decode
 from dmtp_hf.assistant.drafters import DFlashDrafter, DMTPDrafter, Drafter, DrafterWrapper, MTPDrafter, Proposal
 from dmtp_hf.assistant.generate import generate as dmtp_generate
-from dmtp_hf.testing.tiny_targets import FAMILIES, load_tiny_target, make_tiny_target
+from dmtp_hf_assets.tiny_targets import FAMILIES, load_tiny_target, make_tiny_target
 
 MAX_NEW = 24
 

@@ -27,7 +27,7 @@ from dmtp_hf.evaluation import (
     load_prompt_file,
     render_model_card,
 )
-from dmtp_hf.testing.tiny_targets import load_tiny_target, make_tiny_target
+from dmtp_hf_assets.tiny_targets import load_tiny_target, make_tiny_target
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -576,7 +576,7 @@ def test_push_to_stand_in_repo_and_load_back_offline(eval_run, models_dir, tmp_p
         import sys, torch
         from huggingface_hub import hf_hub_download
         from dmtp_hf import DMTPDraftModel
-        from dmtp_hf.testing.tiny_targets import load_tiny_target
+        from dmtp_hf_assets.tiny_targets import load_tiny_target
         target = load_tiny_target(sys.argv[1])
         pushed = DMTPDraftModel.from_pretrained("org/tiny-dmtp", target=target)
         original = DMTPDraftModel.from_pretrained(sys.argv[2])

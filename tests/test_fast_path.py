@@ -11,7 +11,7 @@ from dmtp_hf.assistant import speculative_decode
 from dmtp_hf.assistant.cuda_graphs import CUDAGraphCall
 from dmtp_hf.assistant.drafter_state import FAR, SlotKV
 from dmtp_hf.assistant.drafters import DFlashDrafter, DMTPDrafter, DrafterWrapper, MTPDrafter
-from dmtp_hf.testing.tiny_targets import FAMILIES
+from dmtp_hf_assets.tiny_targets import FAMILIES
 
 MAX_NEW = 24
 

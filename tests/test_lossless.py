@@ -34,7 +34,7 @@ import dmtp_hf
 from dmtp_hf.assistant import DFlashDrafter, DMTPDrafter, MTPDrafter, speculative_decode, verify
 from dmtp_hf.assistant.candidate_generator import generate_with_transformers_loop
 from dmtp_hf.bundled import default_paths
-from dmtp_hf.testing.tiny_targets import load_tiny_target, make_tiny_target
+from dmtp_hf_assets.tiny_targets import load_tiny_target, make_tiny_target
 
 # ---------------------------------------------------------------------------------------------------------------
 # The reported cases, on the bundled models

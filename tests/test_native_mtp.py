@@ -26,8 +26,14 @@ from dmtp_hf.modeling.native_mtp import (
     resolve_mtp_layout,
     save_mtp_head,
 )
-from dmtp_hf.testing import FAMILIES, load_tiny_target, make_tiny_llama, make_tiny_target, read_checkpoint_tensors
-from dmtp_hf.testing.tiny_targets import TINY_FP8_BLOCK
+from dmtp_hf_assets.tiny_targets import (
+    FAMILIES,
+    TINY_FP8_BLOCK,
+    load_tiny_target,
+    make_tiny_llama,
+    make_tiny_target,
+    read_checkpoint_tensors,
+)
 
 
 class RoundState(MTPState):

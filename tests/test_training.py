@@ -20,7 +20,6 @@ from transformers import PreTrainedTokenizerFast
 
 from dmtp_hf import DMTPDraftModel
 from dmtp_hf.modeling import load_native_mtp
-from dmtp_hf.testing.tiny_targets import make_tiny_target
 from dmtp_hf.training import (
     ChatRenderer,
     DMTPTrainingObjective,
@@ -42,6 +41,7 @@ from dmtp_hf.training import (
 )
 from dmtp_hf.training.features import freeze, load_target, precompute_features
 from dmtp_hf.training.regenerate import completed_ids
+from dmtp_hf_assets.tiny_targets import make_tiny_target
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB, MASK = 128, 127

@@ -25,7 +25,7 @@ from dmtp_hf.assistant.drafters import DMTPDrafter, MTPDrafter
 from dmtp_hf.assistant.widths import AutoWidth, Calibration, CostModel, width_policy
 from dmtp_hf.cli import main
 from dmtp_hf.evaluation.calibration import reliability, split_pairs
-from dmtp_hf.testing.tiny_targets import load_tiny_target
+from dmtp_hf_assets.tiny_targets import load_tiny_target
 
 
 class RandomWidths(AutoWidth):

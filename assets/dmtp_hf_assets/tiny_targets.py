@@ -46,8 +46,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import PreTrainedConfig, PreTrainedModel
 
-from ..modeling.native_mtp.fp8 import quantize_block_fp8
-from ..modeling.native_mtp.loading import load_target_checkpoint, mtp_ignore_patterns  # noqa: F401 (re-export)
+from dmtp_hf.modeling.native_mtp.fp8 import quantize_block_fp8
+from dmtp_hf.modeling.native_mtp.loading import load_target_checkpoint, mtp_ignore_patterns  # noqa: F401 (re-export)
 
 __all__ = [
     "FAMILIES",

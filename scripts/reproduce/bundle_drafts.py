@@ -1,4 +1,4 @@
-"""Copy trained exports into the package (``src/dmtp_hf/bundled/models/``), atomically, after a strict load check.
+"""Copy trained exports into the package (``assets/dmtp_hf_assets/models/``), atomically, after a strict load check.
 
     python scripts/reproduce/bundle_drafts.py                 # outputs/drafts/{dmtp,dflash,dmtp-from-dflash}/final
     python scripts/reproduce/bundle_drafts.py --set tuned     # the tuned MTP head and the DMTP draft adapted to it

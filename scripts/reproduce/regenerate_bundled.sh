@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 DMTP=${DMTP:-.venv/bin/dmtp}
-T=${TARGET:-src/dmtp_hf/bundled/models/target}
+T=${TARGET:-assets/dmtp_hf_assets/models/target}
 OUT=${OUT:-outputs/drafts/regen_train.jsonl}
 [ -f outputs/corpus/train_code_chat.jsonl ] || ${PY:-.venv/bin/python} scripts/reproduce/build_corpus.py --out outputs/corpus
 mkdir -p "$(dirname "$OUT")"

@@ -22,9 +22,9 @@ mkdir -p outputs/target
 $PY scripts/reproduce/pretrain_target.py --out outputs/target --preset small --seq-len 512 --batch-size 4 \
     --max-steps 2000 --lr 2e-3 --warmup-steps 50 --mtp-weight 0.3 --seed 0 >> outputs/target/train.log 2>&1
 $PY scripts/reproduce/check_target.py --model $T --prompts 10 --save outputs/target/check.json
-mkdir -p src/dmtp_hf/bundled/models/target
-cp $T/* src/dmtp_hf/bundled/models/target/
-T=src/dmtp_hf/bundled/models/target
+mkdir -p assets/dmtp_hf_assets/models/target
+cp $T/* assets/dmtp_hf_assets/models/target/
+T=assets/dmtp_hf_assets/models/target
 
 # 4. training data for the drafts: the target's own greedy answers (resumable)
 TARGET=$T bash scripts/reproduce/regenerate_bundled.sh

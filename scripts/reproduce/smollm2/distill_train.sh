@@ -32,7 +32,7 @@ settings() {  # settings RUN: the run's --set arguments
     *) echo "unknown run $1" >&2; exit 2 ;;
   esac
   SETTINGS=(--set "train_data=$data" --set labels=target --set eval_data=$eval --set eval_holdout=0
-    --set mtp_init_from=src/dmtp_hf/bundled/models/smollm2/mtp_head --set max_steps="$steps"
+    --set mtp_init_from=assets/dmtp_hf_assets/models/smollm2/mtp_head --set max_steps="$steps"
     --set learning_rate=0.0005 --set eval_every=$every --set save_every=$every
     --set output_dir=outputs/smollm2/distill/$1)
 }

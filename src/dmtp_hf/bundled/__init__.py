@@ -1,12 +1,15 @@
 """The project's own small models: a Qwen3.5-architecture target with a native MTP head, and drafts trained on it.
 
-The checkpoints live in ``src/dmtp_hf/bundled/models/<name>`` once built and committed (they are reproduced by
-``scripts/reproduce/``, see its README). `default_paths` returns where each one is and raises a clear error while
-they are not there yet. The code that builds them lives in ``scripts/reproduce/`` (not installed).
+The checkpoints are not part of the library's wheel: they live in the repository's second local distribution,
+``assets/`` (package ``dmtp_hf_assets``, ``assets/dmtp_hf_assets/models/<name>``), which ``make install``,
+``make demo`` and ``make test`` install next to the library. This module finds that folder without importing
+anything heavy (``$DMTP_HF_MODELS_DIR`` overrides it); `default_paths` returns where each checkpoint is and raises
+a clear error when the assets are not installed. The code that builds them lives in ``scripts/reproduce/``.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 from typing import Any
@@ -22,7 +25,24 @@ __all__ = [
     "resolve_target_path",
 ]
 
-MODELS_DIR = Path(__file__).resolve().parent / "models"
+
+def _assets_models_dir() -> Path | None:
+    """``dmtp_hf_assets``'s models folder, located without importing the package (None: not installed)."""
+    if os.environ.get("DMTP_HF_MODELS_DIR"):
+        return Path(os.environ["DMTP_HF_MODELS_DIR"])
+    spec = importlib.util.find_spec("dmtp_hf_assets")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations))) / "models"
+
+
+_ASSETS_MODELS_DIR = _assets_models_dir()
+ASSETS_HINT = (
+    "the bundled models ship in the repository's `assets/` package, not in the library: from a clone, "
+    "`make install` (or `pip install -e assets`) installs them"
+)
+# Where the checkpoints are; a path that does not exist when the assets are not installed (default_paths says so).
+MODELS_DIR = _ASSETS_MODELS_DIR if _ASSETS_MODELS_DIR is not None else Path("dmtp_hf_assets-not-installed") / "models"
 # Name -> folder under MODELS_DIR: the target (with its `mtp.*` tensors and tokenizer), the DMTP draft (on the
 # target's own MTP head), the DFlash baseline draft, DMTP continued from the DFlash baseline, the target's MTP head
 # tuned on regenerated text, and the DMTP draft adapted to that tuned head, all trained on that target.
@@ -56,6 +76,8 @@ def default_paths(names: tuple[str, ...] | None = None) -> dict[str, Path]:
     paths = {name: MODELS_DIR / BUNDLED_MODELS[name] for name in names}
     missing = [name for name, path in paths.items() if not (path / "config.json").is_file()]
     if missing:
+        if not MODELS_DIR.is_dir():
+            raise NotBuiltError(f"no bundled models at {MODELS_DIR}: {ASSETS_HINT}")
         raise NotBuiltError(
             f"bundled models are not built yet ({', '.join(missing)} missing under {MODELS_DIR}); "
             "see scripts/reproduce/README.md"
