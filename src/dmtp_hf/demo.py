@@ -2,16 +2,20 @@
 
 It chats with the project's own small Qwen3.5-architecture target (``dmtp_hf.bundled``) through its best DMTP
 configuration (the target's MTP head tuned on regenerated text and the DMTP draft adapted to it), then runs
-DMTP, DFlash and the native MTP head alone (MTP-1) side by side on the same prompt: tokens per round, first-candidate
-acceptance, wall-clock speedup over plain ``generate``, and whether the output is identical.
+DMTP (every round at full width, and with ``verify_length="auto"``), DFlash and the native MTP head alone (MTP-1)
+side by side on the same prompts: tokens per round, first-candidate acceptance, wall-clock speedup over plain
+``generate``, and whether the output is identical. Methods are timed interleaved (one run of each in turn), so
+that a change in machine load hits every column alike.
 ``--bundle smollm2`` does the same on SmolLM2-135M-Instruct with its retrofitted MTP head (``make demo-smollm2``).
 """
 
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
+from tqdm.auto import tqdm
 
 # Requests per bundle, in the shapes of its evaluation (a code request, a chat turn, an open question): drafters
 # differ on them (on the code request alone every drafter of the toy target accepts almost everything).
@@ -29,22 +33,31 @@ DEMO_REQUESTS = {
     ],
 }
 ABOUT = {
-    "bundled": "The toy target is a 9.6M-parameter Qwen3.5-architecture model this project pretrained on CPU: its text "
+    "bundled": "The toy target is a small Qwen3.5-architecture model this project pretrained on CPU: its text "
     "is not meaningful, only its speculation is. `make demo-smollm2` runs the same on SmolLM2-135M-Instruct.",
     "smollm2": "SmolLM2-135M-Instruct with a retrofitted MTP head and drafts trained on its own answers (CPU budget).",
 }
 REPEATS = 3  # timed runs per method after a warm-up; the median is reported (CPU timings swing)
 
 
-def _median_seconds(run, repeats: int = REPEATS) -> tuple[float, object]:
-    """Median wall time of ``run()`` over ``repeats`` runs (after one untimed warm-up) and its last output."""
-    out = run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out = run()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2], out
+def _interleaved_medians(runs: dict, repeats: int = REPEATS) -> dict[str, tuple[float, object]]:
+    """Median wall time and last output of each ``runs[label]()``, one run of each in turn.
+
+    Round 0 is an untimed warm-up; a progress bar on stderr counts every run, since on a busy machine one method
+    can take minutes.
+    """
+    times: dict[str, list[float]] = {label: [] for label in runs}
+    outputs: dict[str, object] = {}
+    with tqdm(total=len(runs) * (repeats + 1), desc="demo runs", file=sys.stderr, leave=False) as bar:
+        for round_index in range(repeats + 1):
+            for label, run in runs.items():
+                bar.set_postfix_str(f"{label}, {'warm-up' if round_index == 0 else f'run {round_index}/{repeats}'}")
+                start = time.perf_counter()
+                outputs[label] = run()
+                if round_index:
+                    times[label].append(time.perf_counter() - start)
+                bar.update()
+    return {label: (sorted(ts)[len(ts) // 2], outputs[label]) for label, ts in times.items()}
 
 
 def run_demo(max_new_tokens: int = 48, seed: int = 0, bundle: str = "bundled") -> int:
@@ -80,15 +93,22 @@ def run_demo(max_new_tokens: int = 48, seed: int = 0, bundle: str = "bundled") -
         + (f"{paths['mtp_head'].name}" if paths["mtp_head"] else "the target's own")
     )
     kwargs = dict(do_sample=False, max_new_tokens=max_new_tokens)
-    plain_seconds, plain = _median_seconds(lambda: [target.generate(ids, **kwargs) for ids in prompts])
-    runs = []
-    for label, model, strategy in [("DMTP", dmtp, None), ("DFlash", dflash, None), ("native MTP-1", dmtp, "mtp")]:
-        seconds, outs = _median_seconds(
-            lambda m=model, s=strategy: [
-                dmtp_hf.generate(target, ids, m, strategy=s, return_dict_in_generate=True, **kwargs) for ids in prompts
-            ]
-        )
-        runs.append((label, outs, seconds))
+
+    def speculative(model, **options):
+        return lambda: [
+            dmtp_hf.generate(target, ids, model, return_dict_in_generate=True, **options, **kwargs) for ids in prompts
+        ]
+
+    methods = {
+        "plain": lambda: [target.generate(ids, **kwargs) for ids in prompts],
+        "DMTP": speculative(dmtp),
+        'DMTP "auto"': speculative(dmtp, verify_length="auto"),
+        "DFlash": speculative(dflash),
+        "native MTP-1": speculative(dmtp, strategy="mtp"),
+    }
+    timed = _interleaved_medians(methods)
+    plain_seconds, plain = timed.pop("plain")
+    runs = [(label, outs, seconds) for label, (seconds, outs) in timed.items()]
     _print_results(tokenizer, prompts, plain, plain_seconds, runs)
     return 0 if all(torch.equal(o.sequences, p) for _, outs, _ in runs for o, p in zip(outs, plain)) else 1
 
@@ -114,6 +134,7 @@ def _print_results(tokenizer, prompts, plain, plain_seconds: float, runs) -> Non
             f"{stats.num_rounds:7d} {seconds:6.2f}s {plain_seconds / seconds:7.2f}x  {same}"
         )
     print(
-        "(tokens/round = acceptance length per verify, bonus included; CPU wall clock, median of "
-        f"{REPEATS} runs after a warm-up)"
+        "(tokens/round = acceptance length per verify, bonus included; wall clock, median of "
+        f"{REPEATS} interleaved runs after a warm-up; \"auto\" chooses each round's verify width from the draft's "
+        "confidence and the measured cost of a verify, 0 = a plain decoding step)"
     )
