@@ -19,6 +19,7 @@ import dmtp_hf.bundled
 from dmtp_hf import DMTPConfig, DMTPDraftModel
 from dmtp_hf.assistant.widths import Calibration
 from dmtp_hf.modeling.draft_vocab import set_draft_vocabulary
+from dmtp_hf.modeling.native_mtp.retrofit import new_mtp_head
 from dmtp_hf.modeling.validation import check_acceptance_calibration
 
 SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
@@ -163,6 +164,27 @@ CASES = [
         r"config\.json: Unknown mtp_hidden_input 'middle'",
         id="mtp-hidden-input-unknown",
     ),
+    # 4. misspelt fields (Transformers would keep them as attributes that nothing reads)
+    pytest.param(
+        lambda p: rewrite_config(p, num_candidate=6),
+        r"config\.json: Unknown config key 'num_candidate': did you mean 'num_candidates'\?",
+        id="typo-top-level",
+    ),
+    pytest.param(
+        lambda p: rewrite_config(p, anchor_layuot="dual"),
+        r"config\.json: Unknown config key 'anchor_layuot': did you mean 'anchor_layout'\?",
+        id="typo-top-level-layout",
+    ),
+    pytest.param(
+        lambda p: dmtp_layout(p, num_candidate=6),
+        r"config\.json: Unknown dmtp_config key 'num_candidate': did you mean 'num_candidates'\?",
+        id="typo-dmtp-config",
+    ),
+    pytest.param(
+        lambda p: rewrite_config(p, dflash_config={**dflash_config(), "target_layer_id": [0, 2]}),
+        r"config\.json: Unknown dflash_config key 'target_layer_id': did you mean 'target_layer_ids'\?",
+        id="typo-dflash-config",
+    ),
 ]
 
 
@@ -203,7 +225,7 @@ def test_every_calibration_dmtp_calibrate_writes_passes():
     for calibration in (Calibration.fit(pairs), Calibration.fit([]), Calibration()):
         check_acceptance_calibration(calibration.to_dict())
         check_acceptance_calibration(json.loads(json.dumps(calibration.to_dict())))  # as read back from config.json
-    bundled = [p.parent for p in Path(dmtp_hf.bundled.__file__).parent.rglob("config.json")]
+    bundled = [p.parent for p in dmtp_hf.bundled.MODELS_DIR.rglob("config.json")]
     calibrated = [p for p in bundled if "acceptance_calibration" in (p / "config.json").read_text()]
     assert calibrated  # the bundled drafts carry fits, older ones without base rates
     for folder in calibrated:
@@ -262,3 +284,89 @@ def test_a_draft_vocabulary_lm_head_is_left_alone(tmp_path, target):
         loaded = DMTPDraftModel.from_pretrained(tmp_path, target=target)
         DMTPDraftModel.from_pretrained(tmp_path)
     assert torch.equal(loaded.d2t, draft.d2t) and not ignored_warnings(caught)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 3. What a newcomer gets wrong first: the folder, a key's spelling, a head for a target that ships none
+
+
+@pytest.mark.parametrize("load", [DMTPDraftModel.from_pretrained, DMTPConfig.from_pretrained])
+def test_a_folder_without_config_json_says_so_and_what_a_draft_folder_holds(tmp_path, load):
+    write_dflash_checkpoint(tmp_path / "weights", num_layers=2)
+    (tmp_path / "weights" / "config.json").unlink()
+    expected = (
+        rf"No config\.json in {re.escape(str(tmp_path / 'weights'))}: a DMTP or DFlash draft folder holds config\.json "
+        r".* next to model\.safetensors .* This folder holds model\.safetensors\.$"
+    )
+    with pytest.raises(FileNotFoundError, match=expected):
+        load(tmp_path / "weights")
+    # a training run's output_dir: the draft is one level down
+    write_dflash_checkpoint(tmp_path / "run" / "final", num_layers=2)
+    with pytest.raises(FileNotFoundError, match=rf"This folder holds final/\. Did you mean {re.escape(str(tmp_path))}"):
+        load(tmp_path / "run")
+    with pytest.raises(FileNotFoundError, match=r"It is empty\."):
+        load((tmp_path / "empty").mkdir() or tmp_path / "empty")
+
+
+@pytest.mark.parametrize("load", [DMTPDraftModel.from_pretrained, DMTPConfig.from_pretrained])
+def test_a_path_that_does_not_exist_is_refused_as_such(tmp_path, load):
+    with pytest.raises(FileNotFoundError, match=r"No checkpoint directory at '.*nowhere'\.$"):
+        load(tmp_path / "nowhere")
+    # a bare name reads as a Hub repo id; neither a folder nor a readable repo, it says both
+    with pytest.raises(FileNotFoundError, match=r"No checkpoint directory at 'no-such-draft', and no Hub repo of that"):
+        load("no-such-draft", local_files_only=True)
+
+
+def test_misspelt_keyword_overrides_are_refused_with_the_field_they_resemble(tmp_path):
+    write_dflash_checkpoint(tmp_path, num_layers=2)
+    hint = r"Unknown keyword argument 'num_candidate': did you mean 'num_candidates'\?"
+    with pytest.raises(ValueError, match=hint):
+        DMTPDraftModel.from_pretrained(tmp_path, num_candidate=6)
+    with pytest.raises(ValueError, match=hint):
+        DMTPConfig.from_pretrained(tmp_path, num_candidate=6)
+    with pytest.raises(ValueError, match=r"'anchor_layuot': did you mean 'anchor_layout'\?"):
+        DMTPDraftModel.from_pretrained(tmp_path, config=DMTPConfig.from_pretrained(tmp_path), anchor_layuot="dual")
+    with pytest.raises(ValueError, match=r"Unknown config key 'fusion_rnak': did you mean 'fusion_rank'\?"):
+        tiny_draft_config(fusion_rnak=8)
+
+
+def test_keys_that_resemble_no_field_still_load(tmp_path):
+    # what DFlash configs, tokenizers and engines add (special-token ids are close to mask_token_id, not misspelt)
+    write_dflash_checkpoint(tmp_path, num_layers=2)
+    extras = {"sep_token_id": 3, "image_token_id": 4, "rope_theta": 10000.0, "engine_hint": "x"}
+    rewrite_config(tmp_path, **extras, dflash_config=dflash_config(output_multiplier=1.0, engine_extra=2))
+    config = DMTPDraftModel.from_pretrained(tmp_path, anchor_layout="dual", num_candidates=7).config
+    assert config.engine_hint == "x" and config.dflash_config["engine_extra"] == 2
+    assert (config.anchor_layout, config.num_candidates) == ("dual", 7)
+
+
+def test_a_draft_that_needs_a_head_is_refused_at_load_on_a_target_without_one(tmp_path, target):
+    """A Qwen3 target ships no MTP head: a DMTP draft on it fails at load, naming the target and the ways out,
+    instead of in the first `generate`; with a head passed, or in the DFlash layout, it loads."""
+    draft = DMTPDraftModel(tiny_draft_config())
+    draft.save_pretrained(tmp_path / "dmtp")
+    expected = (
+        r"dmtp: this draft \(anchor_layout='dual'\) drafts after the first candidate of an MTP head, but the target "
+        r"Qwen3ForCausalLM \(model_type 'qwen3'\) has no native MTP head .*Either pass a trained head: "
+        r"DMTPDraftModel\.from_pretrained\(path, target=target, native_mtp=load_native_mtp\(target, "
+        r"checkpoint=HEAD_DIR\)\) .*or use a DFlash draft \(anchor_layout='dflash'\), which needs no head\.$"
+    )
+    with pytest.raises(ValueError, match=expected):
+        DMTPDraftModel.from_pretrained(tmp_path / "dmtp", target=target)
+    head = new_mtp_head(target)  # stands in for a trained retrofitted head
+    loaded = DMTPDraftModel.from_pretrained(tmp_path / "dmtp", target=target, native_mtp=head)
+    assert loaded.native_mtp is head and loaded.target is target
+    with pytest.raises(ValueError, match="pass target= too"):
+        DMTPDraftModel.from_pretrained(tmp_path / "dmtp", native_mtp=head)
+
+    # a draft trained on a retrofitted head asks for that head
+    retrofit = DMTPDraftModel(tiny_draft_config(dmtp_config={"mtp_source": "retrofit"}))
+    retrofit.save_pretrained(tmp_path / "retrofit")
+    with pytest.raises(ValueError, match="Either pass that retrofitted head: "):
+        DMTPDraftModel.from_pretrained(tmp_path / "retrofit", target=target)
+
+    # a DFlash checkpoint needs no head; asked for as DMTP, the message says to load it as what it is
+    write_dflash_checkpoint(tmp_path / "dflash", num_layers=2)
+    assert DMTPDraftModel.from_pretrained(tmp_path / "dflash", target=target).config.anchor_layout == "dflash"
+    with pytest.raises(ValueError, match=r"or load it without anchor_layout= \(or anchor_layout='dflash'\)"):
+        DMTPDraftModel.from_pretrained(tmp_path / "dflash", target=target, anchor_layout="dual")

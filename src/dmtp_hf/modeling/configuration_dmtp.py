@@ -21,15 +21,21 @@ as the draft it is (``anchor_layout="dflash"``, ``block_size - 1`` candidates); 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
+import inspect
 import os
+from pathlib import Path
 from typing import Any
 
 from huggingface_hub.dataclasses import strict
 from huggingface_hub.errors import StrictDataclassError
 from transformers import Qwen3Config
 
+from ..choices import ANCHOR_LAYOUTS, FUSIONS
 from .validation import (
     check_acceptance_calibration,
+    check_key_spelling,
     check_mask_token_id,
     check_positive_float,
     check_positive_int,
@@ -37,8 +43,6 @@ from .validation import (
     require_mask_token_id,
 )
 
-ANCHOR_LAYOUTS = ("dflash", "single", "dual")
-FUSIONS = ("none", "hidden_residual", "residual", "replace")
 # Blessed combinations (docs/design.md §1); other single/dual combinations are allowed as ablations.
 DEFAULT_ANCHOR_LAYOUT = "dual"
 DEFAULT_FUSION = "residual"
@@ -49,6 +53,33 @@ BACKBONES = ("dflash", "dflash2")
 _DFLASH_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
 # DFlash2's `dflash_config` keys and the defaults of a DFlash2 built here (z-lab's and SpecForge's published ones).
 DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
+# What each section of a config reads: an unknown key close to one of these is a misspelling (`check_key_spelling`).
+_DMTP_FIELDS = (
+    "anchor_layout",
+    "fusion",
+    "num_candidates",
+    "fusion_rank",
+    "mtp_hidden_size",
+    "mtp_hidden_input",
+    "target_model_type",
+    "mtp_source",
+    "acceptance_calibration",
+)
+_DFLASH_FIELDS = ("mask_token_id", "target_layer_ids", "block_size", "num_target_layers", *DFLASH2_DEFAULTS)
+# Read from `dflash_config` when present (engine extras written by some converters).
+_DFLASH_EXTRAS = ("input_embedding_scale", "output_multiplier", "final_logit_softcapping")
+_TOP_LEVEL_FIELDS = (
+    *_DMTP_FIELDS[:6],
+    "backbone",
+    "mask_token_id",
+    "target_layer_ids",
+    "block_size",
+    "num_target_layers",
+    "draft_vocab_size",
+    "dflash_config",
+    "dmtp_config",
+    "is_causal",
+)
 # Generic PreTrainedConfig keys that DFlash checkpoints do not carry.
 _HF_GENERIC_KEYS = (
     "_name_or_path",
@@ -70,6 +101,46 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
     start, end = 1, num_target_layers - 3
     span = end - start
     return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+def _known_top_level_key(key: str) -> bool:
+    """A key `DMTPConfig` reads, or one Transformers or a tokenizer legitimately writes (``*_token_id``)."""
+    return key in _config_attributes() or key.endswith("_token_id")
+
+
+@functools.cache
+def _config_attributes() -> frozenset[str]:
+    fields = {field.name for field in dataclasses.fields(DMTPConfig)}
+    arguments = set(inspect.signature(DMTPConfig.__post_init__).parameters) - {"self", "kwargs"}
+    return frozenset(fields | arguments | {name for name in dir(DMTPConfig) if not name.startswith("__")})
+
+
+def check_config_keys(keys, where: str = "config key") -> None:
+    """Refuse a top-level key (of ``config.json``, or a keyword override) that misspells a DMTP/DFlash field."""
+    check_key_spelling(keys, _TOP_LEVEL_FIELDS, _known_top_level_key, where)
+
+
+def require_config_file(path: str | os.PathLike, subfolder: str = "") -> None:
+    """Raise ``FileNotFoundError`` for a local folder without ``config.json``, saying what a draft folder holds.
+
+    Without this, Transformers reads such a folder as an empty config, which fails on the first missing size field.
+    """
+    folder = Path(os.path.expanduser(os.fspath(path))) / (subfolder or "")
+    if not folder.is_dir() or (folder / "config.json").is_file():
+        return
+    found = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir())
+    inside = sorted(str(p.parent.relative_to(folder)) for p in folder.glob("*/config.json"))
+    raise FileNotFoundError(
+        f"No config.json in {folder}: a DMTP or DFlash draft folder holds config.json (the draft's size, "
+        "dflash_config, dmtp_config) next to model.safetensors (or model-*.safetensors shards and "
+        "model.safetensors.index.json). "
+        + (
+            f"This folder holds {', '.join(found[:10])}{', ...' if len(found) > 10 else ''}."
+            if found
+            else "It is empty."
+        )
+        + (f" Did you mean {', '.join(str(folder / name) for name in inside)}?" if inside else "")
+    )
 
 
 def require_local_directory(path: str | os.PathLike) -> None:
@@ -142,6 +213,7 @@ class DMTPConfig(Qwen3Config):
         backbone: str | None = None,
         **kwargs,
     ):
+        check_config_keys(kwargs)  # what no field took: kept as an attribute, read by nothing
         self.dflash_config = copy.deepcopy(self.dflash_config) if self.dflash_config else {}
         self.dmtp_config = copy.deepcopy(self.dmtp_config) if self.dmtp_config else {}
         # Newer DFlash checkpoints nest block_size / num_target_layers in dflash_config.
@@ -190,6 +262,9 @@ class DMTPConfig(Qwen3Config):
 
     def validate_dmtp(self) -> None:
         """Raise ``ValueError`` with a precise message for any inconsistent DFlash/DMTP field."""
+        check_key_spelling(self.dmtp_config, _DMTP_FIELDS, _DMTP_FIELDS.__contains__, "dmtp_config key")
+        known_dflash = (*_DFLASH_FIELDS, *_DFLASH_EXTRAS)
+        check_key_spelling(self.dflash_config, _DFLASH_FIELDS, known_dflash.__contains__, "dflash_config key")
         layout, fusion = self.anchor_layout, self.fusion
         if layout not in ANCHOR_LAYOUTS:
             raise ValueError(f"Unknown anchor_layout {layout!r}; expected one of {ANCHOR_LAYOUTS}.")
@@ -338,8 +413,8 @@ class DMTPConfig(Qwen3Config):
         if config_dict.get("_loaded_from_dflash") or saved == "none" or saved_layout == "dflash":
             config_dict["_checkpoint_without_fusion"] = True
         # The checkpoint's own backbone, before any override (a DFlash checkpoint may start a DFlash2 draft).
-        config_dict["_checkpoint_backbone"] = "dflash2" if "conv_kernel_size" in (config_dict.get("dflash_config")
-                                                                                   or {}) else "dflash"  # fmt: skip
+        nested = config_dict.get("dflash_config") or {}
+        config_dict["_checkpoint_backbone"] = "dflash2" if "conv_kernel_size" in nested else "dflash"
         config_dict.pop("model_type", None)
         if config_dict.get("_loaded_from_dflash"):
             config_dict.pop("auto_map", None)  # a DFlash repo's remote code is DFlash's, not this draft's
@@ -350,20 +425,33 @@ class DMTPConfig(Qwen3Config):
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs) -> DMTPConfig:
         """Load a DMTP or DFlash ``config.json`` (local folder or Hub repo) without the model-type warning.
 
-        A field of the wrong type or value, or a missing ``dflash_config.mask_token_id``, raises ``ValueError``
-        prefixed with the file (``.../config.json: ...``)."""
+        A field of the wrong type or value, a misspelt field (``"num_candidate"``: did you mean ``num_candidates``?)
+        or a missing ``dflash_config.mask_token_id`` raises ``ValueError`` prefixed with the file (``.../config.json:
+        ...``); a misspelt keyword override raises ``ValueError`` too. A folder without ``config.json``, or a path
+        that is neither a folder nor a readable Hub repo, raises ``FileNotFoundError``."""
         require_local_directory(pretrained_model_name_or_path)
         path = os.fspath(pretrained_model_name_or_path)
+        if not path.endswith(".json"):
+            require_config_file(path, kwargs.get("subfolder") or "")
         where = path if path.endswith(".json") else os.path.join(path, kwargs.get("subfolder") or "", "config.json")
-        config_dict, kwargs = cls.get_config_dict(pretrained_model_name_or_path, **kwargs)
         try:
-            loaded = cls.from_dict(config_dict, **kwargs)
-            config = loaded[0] if isinstance(loaded, tuple) else loaded  # (config, unused kwargs) on request
+            config_dict, kwargs = cls.get_config_dict(pretrained_model_name_or_path, **kwargs)
+        except OSError as err:
+            if os.path.exists(os.path.expanduser(path)):
+                raise
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise FileNotFoundError(
+                f"No checkpoint directory at {path!r}, and no Hub repo of that name could be read ({first})."
+            ) from err
+        wants_unused = kwargs.pop("return_unused_kwargs", False)
+        try:
+            config, unused = cls.from_dict(config_dict, return_unused_kwargs=True, **kwargs)
             config.validate_dmtp()  # again: keyword overrides were set after construction
             require_mask_token_id(config)
         except (ValueError, StrictDataclassError) as err:  # a wrong field names its file: the caller loaded a folder
             raise ValueError(f"{where}: {' '.join(str(err).split())}") from err  # strict's errors span lines
-        return loaded
+        check_config_keys(unused, "keyword argument")  # no field took it: the override would be dropped
+        return (config, unused) if wants_unused else config
 
     @property
     def checkpoint_without_fusion(self) -> bool:
@@ -422,5 +510,7 @@ __all__ = [
     "FUSIONS",
     "DMTPConfig",
     "build_target_layer_ids",
+    "check_config_keys",
     "is_dflash_config_dict",
+    "require_config_file",
 ]

@@ -37,7 +37,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 
 from .attention_masks import layer_kinds, one_block_masks, pad_keys_to_block_mask
 from .binding import UNBOUND_ASSISTANT, bind_draft, bound_native_mtp
-from .configuration_dmtp import DMTPConfig, require_local_directory
+from .configuration_dmtp import DMTPConfig, check_config_keys, require_local_directory
 from .dflash2 import CandidateSelector, GroupedDynamicCausalConv
 from .draft_vocab import draft_logits, register_draft_vocabulary
 from .engine_export import dflash_state_dict
@@ -456,17 +456,24 @@ class DMTPDraftModel(DMTPPreTrainedModel):
         pretrained_model_name_or_path: str | os.PathLike,
         *model_args: Any,
         target: nn.Module | None = None,
+        native_mtp: nn.Module | None = None,
         **kwargs: Any,
     ) -> DMTPDraftModel:
         """Load a DMTP checkpoint or an unmodified DFlash checkpoint, strictly.
 
         A DFlash checkpoint (``architectures: ["DFlashDraftModel"]``, no ``dmtp_config``) loads as DFlash with
         ``block_size - 1`` candidates; with ``anchor_layout="dual"`` its fusion starts at zero, exactly "DFlash
-        conditioned on T1". Config fields can be overridden as keyword arguments (``num_candidates=7``).
-        Any other missing, unexpected, mis-shaped or integer-stored float tensor raises ``ValueError`` naming it.
-        ``target`` binds the draft (see :meth:`bind`) and must own any ``embed_tokens``/``lm_head`` copy stored.
+        conditioned on T1". Config fields can be overridden as keyword arguments (``num_candidates=7``; a misspelt
+        one raises ``ValueError`` with the field it resembles). Any other missing, unexpected, mis-shaped or
+        integer-stored float tensor raises ``ValueError`` naming it. ``target`` binds the draft (see :meth:`bind`)
+        and must own any ``embed_tokens``/``lm_head`` copy stored; ``native_mtp`` is the MTP head to bind with it
+        (default: the target's own). A layout with a T1 slot (``single``/``dual``) needs a head: bound to a target
+        that ships none, without ``native_mtp``, loading raises ``ValueError`` saying how to get one.
         """
         require_local_directory(pretrained_model_name_or_path)
+        if native_mtp is not None and target is None:
+            raise ValueError("native_mtp= is bound together with its target: pass target= too.")
+        check_config_keys(kwargs, "keyword argument")  # with `config=` given, no config loading would check them
         want_info = kwargs.pop("output_loading_info", False)
         kwargs.setdefault("key_mapping", {r"^model\.": ""})
         # Let HF report mismatched shapes instead of raising, so the error below can name the tensors.
@@ -477,7 +484,8 @@ class DMTPDraftModel(DMTPPreTrainedModel):
         check_loading_info(info)
         check_finite(model.state_dict().items(), f"The checkpoint {pretrained_model_name_or_path}")
         if target is not None:
-            model.bind(target)
+            model.bind(target, native_mtp)
+            _require_bound_head(model, target, pretrained_model_name_or_path)
         check_checkpoint_tensors(model, pretrained_model_name_or_path, kwargs, target)  # after bind's own checks
         return (model, info) if want_info else model
 
@@ -494,6 +502,28 @@ class DMTPDraftModel(DMTPPreTrainedModel):
                 "Use save_pretrained() for the DMTP layout."
             )
         save_dflash_checkpoint(dflash_state_dict(self), self.config.to_dflash_dict(), save_directory, **kwargs)
+
+
+def _require_bound_head(draft: DMTPDraftModel, target: nn.Module, path: str | os.PathLike) -> None:
+    """Refuse, at load, a draft with a T1 slot bound to a target without an MTP head: the first round would fail."""
+    config = draft.config
+    if config.anchor_layout == "dflash" or draft.__dict__.get("_native_mtp") is not None:
+        return
+    text = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    reason = draft.__dict__.get("_native_mtp_missing")
+    head = "that retrofitted head" if config.dmtp_config.get("mtp_source") == "retrofit" else "a trained head"
+    if config.checkpoint_without_fusion:  # e.g. a DFlash checkpoint asked for as DMTP
+        dflash = "load it without anchor_layout= (or anchor_layout='dflash'): the checkpoint is a DFlash draft"
+    else:
+        dflash = "use a DFlash draft (anchor_layout='dflash'), which needs no head"
+    raise ValueError(
+        f"{path}: this draft (anchor_layout={config.anchor_layout!r}) drafts after the first candidate of an MTP "
+        f"head, but the target {type(target).__name__} (model_type {text.model_type!r}) has no native MTP head"
+        + (f" ({' '.join(str(reason).split())})" if reason else "")
+        + f". Either pass {head}: DMTPDraftModel.from_pretrained(path, target=target, "
+        "native_mtp=load_native_mtp(target, checkpoint=HEAD_DIR)) (`dmtp train` with train_mtp_head: only and "
+        f"mtp_retrofit: true trains one for a target that ships none), or {dflash}."
+    )
 
 
 __all__ = ["DMTPDraftModel", "DMTPPreTrainedModel", "FirstCandidateFusion"]

@@ -15,11 +15,13 @@ load with a ``ValueError`` naming the file, the field or tensor and what was exp
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import os
 import re
 import warnings
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,7 @@ from transformers.utils import cached_file
 __all__ = [
     "check_acceptance_calibration",
     "check_checkpoint_tensors",
+    "check_key_spelling",
     "check_mask_token_id",
     "check_positive_float",
     "check_positive_int",
@@ -59,6 +62,25 @@ def _is_number(value: Any) -> bool:
 
 # ----------------------------------------------------------------------------------------------------------
 # Config fields
+
+
+def check_key_spelling(keys: Iterable[str], fields: Sequence[str], known: Callable[[str], bool], where: str) -> None:
+    """Refuse a key that ``known`` rejects but that is close to one of ``fields``: a misspelt field.
+
+    Transformers keeps any unknown ``config.json`` key as a plain attribute, which nothing reads: ``"num_candidate": 6``
+    would load a draft with the default ``num_candidates``. Keys that resemble no field stay accepted (DFlash configs
+    and engines add their own). ``where`` names the kind of key in the message (``"config key"``, ``"keyword
+    argument"``, ``"dmtp_config key"``...).
+    """
+    for key in keys:
+        if not isinstance(key, str) or known(key):
+            continue
+        match = difflib.get_close_matches(key, fields, n=1, cutoff=0.8)
+        if match:
+            raise ValueError(
+                f"Unknown {where} {key!r}: did you mean {match[0]!r}? (As written it would be ignored and "
+                f"{match[0]} left at its default.)"
+            )
 
 
 def check_positive_int(name: str, value: Any) -> None:

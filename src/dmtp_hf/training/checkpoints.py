@@ -303,7 +303,8 @@ class CheckpointMixin:
                 f"{directory} holds merged weights without the LoRA adapters: resume a LoRA run from a full checkpoint"
             )
         if self.config.train_mtp_head != "only":
-            saved = DMTPDraftModel.from_pretrained(directory / "model", target=self.target)
+            # bound with the run's head: a target without a native one (a retrofitted head) is refused otherwise
+            saved = DMTPDraftModel.from_pretrained(directory / "model", target=self.target, native_mtp=self.mtp_head)
             self.draft.load_state_dict(saved.state_dict())  # in place, into the fp32 masters
         if self.trained_head is not None:
             saved_head = load_native_mtp(
