@@ -41,9 +41,10 @@ from dmtp_hf.evaluation.models import eos_token_ids, load_target, load_tokenizer
 from dmtp_hf.evaluation.prompts import load_bundled_set
 
 STAGE_TITLES = {
-    "dflash": "DFlash forward",
+    "dflash": "fusion + DFlash forward + candidates",
     "mtp": "MTP advance",
-    "t1_fusion": "T1 selection + embedding + fusion",
+    "t1": "T1 head + selection",
+    "mtp_step": "chained MTP steps (MTP-k)",
     "verify": "target verify + acceptance",
     "rollback": "target rollback",
     "commit": "commit (bookkeeping, host sync)",
@@ -207,7 +208,7 @@ def measure_stages(models, prompts, kwargs) -> dict:
             row = {key: 1000 * stats.stage_seconds.get(key, 0.0) / rounds for key in ROUND_STAGES}
             row["round"] = 1000 * stats.stage_seconds.get("rounds", 0.0) / rounds
             row["stage_sum"] = sum(row[key] for key in ROUND_STAGES)
-            row["mtp_t1_share"] = (row["mtp"] + row["t1_fusion"]) / row["round"] if row["round"] else 0.0
+            row["mtp_t1_share"] = (row["mtp"] + row["t1"] + row["mtp_step"]) / row["round"] if row["round"] else 0.0
             row["acceptance_length"] = stats.acceptance_length_per_verify
             row["capture_seconds"] = graph_report(drafter)["capture_seconds"]
             rows[label] = row

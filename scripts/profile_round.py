@@ -25,7 +25,7 @@ from dmtp_hf.evaluation.prompts import load_bundled_set
 
 STRATEGIES = {"dmtp": ("dmtp", "dmtp", 1), "dflash": ("dflash", "dflash", 1), "mtp1": ("dmtp", "mtp", 1),
               "mtp4": ("dmtp", "mtp", 4)}  # fmt: skip
-STAGES = ["prefill", "draft_prefill", "mtp", "t1_fusion", "dflash", "verify", "commit", "rollback"]
+STAGES = ["prefill", "draft_prefill", "mtp", "t1", "mtp_step", "dflash", "verify", "commit", "rollback"]
 
 
 def _prompts(tokenizer, count: int) -> list[torch.Tensor]:

@@ -29,8 +29,8 @@ class BatchOracle(DrafterWrapper):
         self.reference = self.reference[rows]
         return self.inner.select_rows(rows, rows_host)
 
-    def propose(self, anchor_ids, anchor_positions, select, stats, max_candidates=None):
-        proposal = self.inner.propose(anchor_ids, anchor_positions, select, stats, max_candidates)
+    def propose(self, anchor_ids, anchor_positions, select, stats):
+        proposal = self.inner.propose(anchor_ids, anchor_positions, select, stats)
         batch, k = proposal.tokens.shape
         lengths = torch.tensor([self.rng.randint(0, k) for _ in range(batch)])
         index = (anchor_positions[:, None] + 1 + torch.arange(k)).clamp(max=self.reference.shape[1] - 1)

@@ -11,6 +11,7 @@ from transformers.cache_utils import DynamicCache, LinearAttentionCacheLayerMixi
 from dmtp_hf.assistant import SpecStats, speculative_decode
 from dmtp_hf.assistant.drafters import DFlashDrafter, DMTPDrafter, Drafter, DrafterWrapper, MTPDrafter, Proposal
 from dmtp_hf.assistant.generate import generate as dmtp_generate
+from dmtp_hf.assistant.widths import FixedWidth
 from dmtp_hf_assets.tiny_targets import FAMILIES, load_tiny_target, make_tiny_target
 
 MAX_NEW = 24
@@ -25,8 +26,8 @@ class OracleMix(DrafterWrapper):
         super().__init__(inner)
         self.reference, self.rng = reference, random.Random(seed)
 
-    def propose(self, anchor_ids, anchor_positions, select, stats, max_candidates=None):
-        proposal = self.inner.propose(anchor_ids, anchor_positions, select, stats, max_candidates)
+    def propose(self, anchor_ids, anchor_positions, select, stats):
+        proposal = self.inner.propose(anchor_ids, anchor_positions, select, stats)
         tokens = proposal.tokens.clone()
         length = int(anchor_positions[0]) + 1  # committed tokens (one unpadded row)
         truth = self.reference[:, length : length + self.rng.randint(0, proposal.tokens.shape[1])]
@@ -69,15 +70,16 @@ def test_greedy_identical_to_generate_for_every_strategy(targets, family):
 
 
 class FewerCandidates(DrafterWrapper):
-    """Asks the inner drafter for a different number of candidates (1..K) every round."""
+    """Asks the inner drafter for a different number of candidates (1..K) every round, through its width policy."""
 
     def __init__(self, inner, seed=0):
         super().__init__(inner)
         self.rng, self.widths = random.Random(seed), []
 
-    def propose(self, anchor_ids, anchor_positions, select, stats, max_candidates=None):
+    def propose(self, anchor_ids, anchor_positions, select, stats):
         width = self.rng.randint(1, self.num_candidates)
-        proposal = self.inner.propose(anchor_ids, anchor_positions, select, stats, width)
+        self.inner.width_policy = FixedWidth(width, self.num_candidates, self.stage_plan())
+        proposal = self.inner.propose(anchor_ids, anchor_positions, select, stats)
         assert proposal.tokens.shape[1] == width and (proposal.scores is None or proposal.scores.shape[1] == width)
         self.widths.append(width)
         return proposal
@@ -158,8 +160,8 @@ def test_generate_entry_points_and_edge_cases(targets):
 
     # a draft that is always wrong still decodes losslessly (one token per round)
     class AlwaysWrong(DMTPDrafter):
-        def propose(self, anchor_ids, anchor_positions, select, stats, max_candidates=None):
-            proposal = super().propose(anchor_ids, anchor_positions, select, stats, max_candidates)
+        def propose(self, anchor_ids, anchor_positions, select, stats):
+            proposal = super().propose(anchor_ids, anchor_positions, select, stats)
             truth = reference[:, int(anchor_positions[0]) + 1]
             return Proposal(torch.where(proposal.tokens == truth, (truth + 1) % 100, proposal.tokens), None)
 
@@ -231,9 +233,9 @@ def test_cache_after_every_round_equals_fresh_prefill(targets, family):
         checked.append(sequence.shape[1])
 
     class Checked(OracleMix):  # after every commit and rollback, before the drafter advances
-        def propose(self, anchor_ids, anchor_positions, select, stats, max_candidates=None):
+        def propose(self, anchor_ids, anchor_positions, select, stats):
             self.select = select
-            return super().propose(anchor_ids, anchor_positions, select, stats, max_candidates)
+            return super().propose(anchor_ids, anchor_positions, select, stats)
 
         def advance(self, step, stats=None):
             check(self.select.committed_ids()[0])

@@ -23,8 +23,8 @@ class Recorder(DrafterWrapper):
         super().__init__(inner)
         self.proposals = []
 
-    def propose(self, anchor_ids, anchor_positions, select, stats, max_candidates=None):
-        proposal = self.inner.propose(anchor_ids, anchor_positions, select, stats, max_candidates)
+    def propose(self, anchor_ids, anchor_positions, select, stats):
+        proposal = self.inner.propose(anchor_ids, anchor_positions, select, stats)
         self.proposals.append(proposal.tokens.clone())
         return proposal
 

@@ -223,7 +223,8 @@ def test_rounds_where_drafting_does_not_pay_run_no_drafter_stage(targets, monkey
 
 def test_a_call_ending_on_a_drafted_round_leaves_nothing_for_the_next_call(targets):
     """The last round of a call proposes and is verified, but the drafter never advances past it: its confidences
-    (three rows here) must not reach the next call's first plain round (two rows), which would learn from them."""
+    (three rows here), kept by that call's width policy, must not reach the next call's first plain round (two rows),
+    which would learn from them."""
     target = targets["qwen3_5"]
     draft = draft_for(target)
     drafter = DMTPDrafter(draft, draft.native_mtp)
@@ -233,7 +234,7 @@ def test_a_call_ending_on_a_drafted_round_leaves_nothing_for_the_next_call(targe
     strong.prior = [0.9] * 7  # the first call's one round drafts
     out, _ = speculative_decode(target, first, drafter, max_length=first.shape[1] + 2, verify_length=strong)
     assert torch.equal(out, greedy_reference(target, first, max_new_tokens=2))
-    assert drafter._confidence is not None and drafter._confidence.shape[0] == 3  # the call ended on a drafted round
+    assert strong.pending is not None and strong.pending[0].shape[0] == 3  # the call ended on a drafted round
     weak = AutoWidth(costs, Calibration(), 7)
     weak.prior = [0.02] * 7  # the next call's first round is plain: nothing of its own overwrites the leftovers
     second = first[:2]

@@ -244,18 +244,21 @@ def target_cache(
 
 
 def start_drafter(drafter: Drafter, step: TargetStep, max_length: int, stats: SpecStats, verify_length, target) -> None:
-    """The drafter over the prompt, with its capacity for the call and its round widths (``verify_length``)."""
+    """The drafter over the prompt, with its capacity for the call and its round width policy (``verify_length``),
+    which hears every stage's time from the statistics' timer."""
     policy = width_policy(verify_length, target, drafter, step.positions.shape[0])  # "auto": times the target
     with stats.stage("draft_prefill"):
         drafter.width_policy = policy
         drafter.reserve(max_length + 1)
         drafter.start(step)
+    stats.listener = policy.timed
 
 
 def close(runner: TargetRunner, state: TargetCacheState | None, streamer, drafter: Drafter, stats: SpecStats) -> None:
     """Detach every hook from the target and end the stream, whatever happened; count graphed stages and widths."""
     stats.record_graphs(drafter.graph_calls())
     stats.record_widths(getattr(drafter, "width_policy", None))
+    stats.listener = None
     runner.close()
     if state is not None:
         state.close()

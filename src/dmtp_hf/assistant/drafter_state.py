@@ -19,6 +19,7 @@ Without it, advances take only the committed width and masks are dropped where e
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -281,34 +282,44 @@ class MTPState:
 
     @torch.no_grad()
     def propose(
-        self, num_tokens: int, select: Select | None = None, more: Callable[[int], bool] | None = None
+        self,
+        num_tokens: int,
+        select: Select | None = None,
+        more: Callable[[int], bool] | None = None,
+        stage: Callable[[str], contextlib.AbstractContextManager] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """MTP-k drafting as vLLM/SGLang do it: step 1 is :meth:`predict`; each later step feeds (previous draft,
         previous ``g``) at the next position. Returns ``(draft_ids [B, k], draft_logits [B, k, V])``; the chained
         entries are forgotten afterwards, so the committed state is unchanged. ``more(j)``, asked after j steps,
-        may stop the chain early (adaptive MTP-k)."""
+        may stop the chain early (adaptive MTP-k); ``stage(name)`` times step 1 as ``t1`` and the later ones as
+        ``mtp_step`` (`SpecStats.stage`)."""
         if num_tokens < 1:
             raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
         self.flush()
         select = select or (lambda logits: logits.argmax(dim=-1))
+        stage = stage or (lambda name: contextlib.nullcontext())
         # the last committed pair
         hidden = self.last_hidden  # [B, H]
         position = self.next_position - 1  # [B]
-        logits = [self.head.logits(hidden)]
-        tokens = [select(logits[-1])]
+        with stage("t1"):
+            logits = [self.head.logits(hidden)]
+            tokens = [select(logits[-1])]
         saved = self.kv.save()
         try:
             for step in range(1, num_tokens):
                 if more is not None and not more(step):
                     break
-                positions = (position + step)[:, None]
-                self.kv.begin(None, 1)
-                self.kv.prepare(torch.ones_like(positions, dtype=torch.bool), positions)
-                mask = self._mask(positions, None, hidden.dtype)
-                hidden = self.head(tokens[-1][:, None], hidden[:, None], positions, cache=self.kv, attention_mask=mask)
-                hidden = hidden[:, 0]
-                logits.append(self.head.logits(hidden))
-                tokens.append(select(logits[-1]))
+                with stage("mtp_step"):
+                    positions = (position + step)[:, None]
+                    self.kv.begin(None, 1)
+                    self.kv.prepare(torch.ones_like(positions, dtype=torch.bool), positions)
+                    mask = self._mask(positions, None, hidden.dtype)
+                    hidden = self.head(
+                        tokens[-1][:, None], hidden[:, None], positions, cache=self.kv, attention_mask=mask
+                    )
+                    hidden = hidden[:, 0]
+                    logits.append(self.head.logits(hidden))
+                    tokens.append(select(logits[-1]))
         finally:
             self.kv.restore(saved)
         return torch.stack(tokens, dim=1), torch.stack(logits, dim=1)

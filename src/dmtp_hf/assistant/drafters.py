@@ -11,7 +11,6 @@ shapes it runs at (CUDA-graph replays on CUDA with ``cuda_graphs``), never the p
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +21,7 @@ from .drafter_state import DFlashContext, MTPState
 from .processing import TokenSelector
 from .stats import SpecStats
 from .target_step import TargetStep
-from .widths import AutoWidth, confidences
+from .widths import AllCandidates, RoundWidth
 
 
 def _stage(stats: SpecStats | None, name: str):
@@ -92,16 +91,15 @@ class Drafter:
         raise NotImplementedError
 
     def propose(
-        self,
-        anchor_ids: torch.Tensor,
-        anchor_positions: torch.Tensor,
-        select: TokenSelector,
-        stats: SpecStats,
-        max_candidates: int | None = None,
+        self, anchor_ids: torch.Tensor, anchor_positions: torch.Tensor, select: TokenSelector, stats: SpecStats
     ) -> Proposal:
-        """Propose up to ``max_candidates`` (1..K, default K) tokens per row after A: ``anchor_ids`` ``[B]``, the
-        last emitted token (the target has not processed it yet), at ``anchor_positions`` ``[B]``."""
+        """Propose up to K tokens per row after A (as many as the round's width policy asks): ``anchor_ids``
+        ``[B]``, the last emitted token (the target has not processed it yet), at ``anchor_positions`` ``[B]``."""
         raise NotImplementedError
+
+    def stage_plan(self) -> list[list[str]]:
+        """``plan[k]``: the statistics stages a round verifying k candidates runs (what `widths.AutoWidth` prices)."""
+        return [[]] * (self.num_candidates + 1)
 
     def advance(self, step: TargetStep, stats: SpecStats | None = None) -> None:
         """Commit the positions the last verify accepted (accepted tokens + bonus); MTP work is timed as ``mtp``."""
@@ -141,9 +139,13 @@ class DrafterWrapper(Drafter):
         """Forwarded to the inner drafter."""
         self.inner.advance(step, stats)
 
-    def propose(self, anchor_ids, anchor_positions, select, stats, max_candidates=None) -> Proposal:
+    def propose(self, anchor_ids, anchor_positions, select, stats) -> Proposal:
         """The inner drafter's proposal (override to change it)."""
-        return self.inner.propose(anchor_ids, anchor_positions, select, stats, max_candidates)
+        return self.inner.propose(anchor_ids, anchor_positions, select, stats)
+
+    def stage_plan(self) -> list[list[str]]:
+        """The inner drafter's."""
+        return self.inner.stage_plan()
 
     def select_rows(self, rows: torch.Tensor, rows_host: list[int]) -> bool:
         """Forwarded to the inner drafter (override to also select the wrapper's own per-row state)."""
@@ -164,28 +166,27 @@ class DrafterWrapper(Drafter):
 
 
 class _StatefulDrafter(Drafter):
-    """The drafter state of the strategies below: an MTP state, a DFlash context, or both; and the round's width
-    when the engine sets a ``width_policy`` (``verify_length``: `widths.AutoWidth` or a fixed number)."""
+    """The drafter state of the strategies below (an MTP state, a DFlash context, or both) and the round's width
+    policy (``width_policy``, set by the engine for ``verify_length``; `widths.AllCandidates` by default)."""
 
     def __init__(self, fixed_shapes: bool, cuda_graphs: bool) -> None:
         self.fixed_shapes = fixed_shapes
         self.cuda_graphs = cuda_graphs
-        self.width_policy = None  # per call: `widths.AutoWidth`, an int, or None (every round K candidates)
-        # auto width learns from the last proposal: [B, k] confidences of the verified candidates, [B, d] predicted
-        self._confidence = self._predicted = None  # acceptance of all d drafted candidates
+        self.width_policy: RoundWidth | None = None
         self.capacity: int | None = None  # slots per row with fixed shapes, set by `reserve`
         self.mtp: MTPState | None = None
         self.context: DFlashContext | None = None
 
+    @property
+    def widths(self) -> RoundWidth:
+        """The round's width policy (every candidate when the engine set none)."""
+        if self.width_policy is None:
+            self.width_policy = AllCandidates(self.num_candidates, self.stage_plan())
+        return self.width_policy
+
     def reserve(self, max_positions: int) -> None:
         """Size fixed shapes for sequences of up to ``max_positions`` tokens (plus one verify's candidates)."""
         self.capacity = max_positions + self.num_candidates + 1
-
-    def _begin(self, step: TargetStep) -> None:
-        """A new call: nothing learned from the last one's final proposal (a call can end between a proposal and its
-        verdict, and its rows need not be this call's), and the prompt checked against the fixed capacity."""
-        self._confidence = self._predicted = None
-        self._check_capacity(step)
 
     def _check_capacity(self, step: TargetStep) -> None:
         """Fixed shapes: refuse, before any write, a prompt the reserved capacity cannot hold with one verify."""
@@ -210,49 +211,19 @@ class _StatefulDrafter(Drafter):
         state.kv.limit = self.capacity
         return state
 
-    def _plain_round(self, anchor_ids: torch.Tensor, stages: list[list[str]]) -> Proposal | None:
-        """An empty proposal (the round is a plain decoding step and runs no drafter stage) at width 0, or in auto
-        mode when drafting does not pay from the priors (``stages[k]``: what a width-k round runs); else ``None``."""
-        policy = self.width_policy
-        batch = anchor_ids.shape[0]
-        plain = policy == 0 or (isinstance(policy, AutoWidth) and not policy.drafts(batch, stages))
-        return Proposal(anchor_ids.new_empty(batch, 0), None) if plain else None
+    def _plain_round(self, anchor_ids: torch.Tensor) -> Proposal:
+        """No candidates: the round is a plain decoding step."""
+        return Proposal(anchor_ids.new_empty(anchor_ids.shape[0], 0), None)
 
-    def _width(self, proposal: Proposal, stages: list[list[str]] | None = None) -> Proposal:
-        """The proposal cut to the round's width: the policy's choice from its candidates' confidences."""
-        policy = self.width_policy
-        if policy is None:
-            return proposal
-        if isinstance(policy, int):
-            return Proposal(proposal.tokens[:, :policy], proposal.scores[:, :policy])
-        conf = confidences(proposal.tokens, proposal.scores)
-        predicted = policy.acceptance(conf)
-        k = policy.best(predicted, stages or [[]] * (self.num_candidates + 1))
-        k = min(k, proposal.tokens.shape[1])
-        self._confidence = conf[:, :k]
-        self._predicted = predicted
-        policy.widths.append(k)
-        return Proposal(proposal.tokens[:, :k], proposal.scores[:, :k])
+    def _verified(self, tokens: torch.Tensor, scores: torch.Tensor) -> Proposal:
+        """The drafted candidates cut to the width the policy chooses for this round."""
+        width = self.widths.choose(tokens, scores)
+        return Proposal(tokens[:, :width], scores[:, :width])
 
     def _flush_mtp(self, stats: SpecStats) -> None:
         """Feed the MTP head the pairs committed since it last ran (plain rounds only queue them)."""
         with stats.stage("mtp"), torch.no_grad():
             self.mtp.flush()
-
-    @contextlib.contextmanager
-    def _timed(self, stage: str):
-        """Auto width: the wall time of a drafter stage, for the cost model (what the policy weighs)."""
-        start = time.perf_counter()
-        yield
-        if isinstance(self.width_policy, AutoWidth):
-            self.width_policy.cost.update(stage, time.perf_counter() - start)
-
-    def _learn(self, step: TargetStep) -> None:
-        """Auto width: the round's acceptance (committed counts - 1) updates the policy's priors."""
-        if self._confidence is not None and step.num_valid is not None:
-            accepted = torch.tensor([max(c - 1, 0) for c in step.num_valid], device=self._confidence.device)
-            self.width_policy.observe(self._confidence, accepted, self._predicted)
-        self._confidence = self._predicted = None
 
     def graph_calls(self) -> list:
         """Every captured stage of the state."""
@@ -260,9 +231,7 @@ class _StatefulDrafter(Drafter):
 
     def select_rows(self, rows: torch.Tensor, rows_host: list[int]) -> bool:
         """Drop finished rows from every piece of state."""
-        if self._confidence is not None:  # the last proposal's, still to be learned from
-            self._confidence = self._confidence[rows]
-            self._predicted = self._predicted[rows]
+        self.widths.select_rows(rows)
         for state in (self.mtp, self.context):
             if state is not None:
                 state.select_rows(rows, rows_host)
@@ -291,23 +260,26 @@ class DFlashDrafter(_StatefulDrafter):
 
     def start(self, step: TargetStep) -> None:
         """Fresh context holding the prompt features."""
-        self._begin(step)
+        self._check_capacity(step)
         self.context = self._state(self.context, DFlashContext, self.draft)
         self.context.start(step)
 
-    def propose(self, anchor_ids, anchor_positions, select, stats, max_candidates=None) -> Proposal:
-        """``[A, MASK x K]`` -> up to K candidates."""
-        plain = self._plain_round(anchor_ids, [[]] + [["dflash"]] * self.num_candidates)
-        if plain is not None:
-            return plain
-        with stats.stage("dflash"), self._timed("dflash"):
+    def stage_plan(self) -> list[list[str]]:
+        """A round at any width runs the one block forward."""
+        return [[]] + [["dflash"]] * self.num_candidates
+
+    def propose(self, anchor_ids, anchor_positions, select, stats) -> Proposal:
+        """``[A, MASK x K]`` -> K candidates from one parallel forward."""
+        if not self.widths.begin_round(anchor_ids.shape[0]):
+            return self._plain_round(anchor_ids)
+        with stats.stage("dflash"):
             hidden, logits = self.context.block_outputs(self.draft.block_embeddings(anchor_ids), anchor_positions)
-            tokens, scores = block_candidates(self.draft, hidden, logits, anchor_ids, select, limit=max_candidates)
-        return self._width(Proposal(tokens, scores))
+            tokens, scores = block_candidates(self.draft, hidden, logits, anchor_ids, select)
+        return self._verified(tokens, scores)
 
     def advance(self, step: TargetStep, stats: SpecStats | None = None) -> None:
         """Queue the accepted positions' features."""
-        self._learn(step)
+        self.widths.learn(step.num_valid)
         self.context.add(step)
 
 
@@ -329,19 +301,23 @@ class MTPDrafter(_StatefulDrafter):
 
     def start(self, step: TargetStep) -> None:
         """Start the MTP state over all prompt pairs."""
-        self._begin(step)
+        self._check_capacity(step)
         self.mtp = self._state(self.mtp, MTPState, self.head)
         with torch.no_grad():
             self.mtp.start(step)
 
-    def propose(self, anchor_ids, anchor_positions, select, stats, max_candidates=None) -> Proposal:
-        """Chain the MTP layer k times; each step is selected with the processors and the tokens it extends."""
-        plain = self._plain_round(anchor_ids, [["mtp_step"] * k for k in range(self.num_candidates + 1)])
-        if plain is not None:
-            return plain
+    def stage_plan(self) -> list[list[str]]:
+        """A width-k round runs T1 and k - 1 chained steps."""
+        return [[]] + [["t1"] + ["mtp_step"] * (k - 1) for k in range(1, self.num_candidates + 1)]
+
+    def propose(self, anchor_ids, anchor_positions, select, stats) -> Proposal:
+        """Chain the MTP layer up to k times, while the width policy wants more; each step's token is selected
+        with the processors and the tokens before it."""
+        if not self.widths.begin_round(anchor_ids.shape[0]):
+            return self._plain_round(anchor_ids)
         self._flush_mtp(stats)
-        chosen: list[torch.Tensor] = []
-        scores: list[torch.Tensor] = []
+        chosen: list[torch.Tensor] = []  # [B] per step
+        scores: list[torch.Tensor] = []  # [B, V] per step
 
         def select_step(logits: torch.Tensor) -> torch.Tensor:
             token, score = select(logits[:, None], torch.stack(chosen, dim=1) if chosen else None)
@@ -349,28 +325,16 @@ class MTPDrafter(_StatefulDrafter):
             scores.append(score[:, 0])
             return token[:, 0]
 
-        last = [time.perf_counter()]
+        def further(steps: int) -> bool:
+            return self.widths.draft_further(torch.stack(chosen, dim=1), torch.stack(scores, dim=1))
 
-        def more(steps: int) -> bool:  # auto width: chain one more step only while it pays for itself
-            policy = self.width_policy
-            if not isinstance(policy, AutoWidth):
-                return True
-            now = time.perf_counter()
-            if steps > 1:  # the time since the last call is one chain step
-                policy.cost.update("mtp_step", now - last[0])
-            last[0] = now
-            known = policy.acceptance(confidences(torch.stack(chosen, 1), torch.stack(scores, 1)))
-            return policy.best(known, [["mtp_step"] * k for k in range(self.num_candidates + 1)]) > steps
-
-        with stats.stage("mtp"), torch.no_grad():
-            limit = min(self.num_candidates, max_candidates or self.num_candidates)
-            tokens, _ = self.mtp.propose(limit, select_step, more)
-        proposal = Proposal(tokens, torch.stack(scores, dim=1))
-        return self._width(proposal, [["mtp_step"] * k for k in range(self.num_candidates + 1)])
+        with torch.no_grad():
+            self.mtp.propose(self.num_candidates, select_step, further, stage=stats.stage)
+        return self._verified(torch.stack(chosen, dim=1), torch.stack(scores, dim=1))
 
     def advance(self, step: TargetStep, stats: SpecStats | None = None) -> None:
         """Queue the accepted pairs for the MTP state (fed at the next drafting round)."""
-        self._learn(step)
+        self.widths.learn(step.num_valid)
         with _stage(stats, "mtp"), torch.no_grad():
             self.mtp.advance(step)
 
@@ -399,46 +363,39 @@ class DMTPDrafter(_StatefulDrafter):
 
     def start(self, step: TargetStep) -> None:
         """Start the MTP state over the prompt pairs and queue the prompt features for DFlash."""
-        self._begin(step)
+        self._check_capacity(step)
         self.mtp = self._state(self.mtp, MTPState, self.head)
         self.context = self._state(self.context, DFlashContext, self.draft)
         self.context.start(step)
         with torch.no_grad():
             self.mtp.start(step)
 
-    def propose(self, anchor_ids, anchor_positions, select, stats, max_candidates=None) -> Proposal:
-        """T1 from the cached MTP hidden, fusion, one DFlash forward for T2..T7 (none when only T1 is wanted)."""
-        # with auto width: DFlash runs only when the rest of the block is expected to pay for its forward
-        dflash = [[]] * 2 + [["dflash"]] * (self.num_candidates - 1)
-        plain = self._plain_round(anchor_ids, [[], ["t1"]] + [["t1", "dflash"]] * (self.num_candidates - 1))
-        if plain is not None:
-            return plain
-        self._flush_mtp(stats)  # the pairs of earlier rounds, outside the T1 timing (paid whatever the width)
-        with stats.stage("t1_fusion"):
-            with self._timed("t1"):
-                t1_logits, mtp_hidden = self.mtp.predict()  # the MTP hidden that predicted T1
-                t1, t1_scores = select(t1_logits[:, None])
-            if max_candidates == 1 or self.width_policy == 1 or self._skip_dflash(t1, t1_scores, dflash):
-                return self._width(Proposal(t1, t1_scores))
-            block = self.draft.block_embeddings(anchor_ids, t1[:, 0], mtp_hidden)  # [A, T1 + fusion, MASK x 6]
-        with stats.stage("dflash"), self._timed("dflash"):
-            hidden, logits = self.context.block_outputs(block, anchor_positions)  # T2..T7
-            limit = None if max_candidates is None else max_candidates - 1
-            rest, rest_scores = block_candidates(self.draft, hidden, logits, t1[:, 0], select, t1, limit)
-        return self._width(Proposal(torch.cat([t1, rest], dim=1), torch.cat([t1_scores, rest_scores], dim=1)))
+    def stage_plan(self) -> list[list[str]]:
+        """T1 alone, or T1 and the DFlash block behind it."""
+        return [[], ["t1"]] + [["t1", "dflash"]] * (self.num_candidates - 1)
 
-    def _skip_dflash(self, t1: torch.Tensor, t1_scores: torch.Tensor, stages: list[list[str]]) -> bool:
-        """Auto width, from T1's confidence alone: is a round of T1 (or nothing) the best bet? (DFlash skipped.)"""
-        policy = self.width_policy
-        if not isinstance(policy, AutoWidth):
-            return False
-        skip = policy.best(policy.acceptance(confidences(t1, t1_scores)), stages) <= 1
-        policy.skipped += skip
-        return skip
+    def propose(self, anchor_ids, anchor_positions, select, stats) -> Proposal:
+        """T1 from the MTP head, fused into the block; one DFlash forward for T2..T7."""
+        if not self.widths.begin_round(anchor_ids.shape[0]):
+            return self._plain_round(anchor_ids)
+        self._flush_mtp(stats)  # the pairs of earlier rounds, outside T1's timing (paid whatever the width)
+        # 1. T1: the MTP head's token from g, the hidden state of the last committed pair (never one that saw T1)
+        with stats.stage("t1"):
+            t1_logits, mtp_hidden = self.mtp.predict()  # [B, V], [B, H]: the MTP hidden that predicted T1
+            t1, t1_scores = select(t1_logits[:, None])  # [B, 1], [B, 1, V]
+        if not self.widths.draft_further(t1, t1_scores):  # T1 alone is this round's best bet: no DFlash forward
+            return self._verified(t1, t1_scores)
+        with stats.stage("dflash"):
+            # 2. Fuse: the block [A, T1 + fusion(T1, mtp_hidden), MASK x 6]
+            block = self.draft.block_embeddings(anchor_ids, t1[:, 0], mtp_hidden)
+            # 3. Block: one parallel forward over it, conditioned on the target's context features -> T2..T7
+            hidden, logits = self.context.block_outputs(block, anchor_positions)
+            rest, rest_scores = block_candidates(self.draft, hidden, logits, t1[:, 0], select, t1)
+        return self._verified(torch.cat([t1, rest], dim=1), torch.cat([t1_scores, rest_scores], dim=1))
 
     def advance(self, step: TargetStep, stats: SpecStats | None = None) -> None:
         """Commit accepted pairs to the MTP state (its next ``g`` predicts the next T1); queue DFlash context."""
-        self._learn(step)
+        self.widths.learn(step.num_valid)
         self.context.add(step)
         with _stage(stats, "mtp"), torch.no_grad():
             self.mtp.advance(step)

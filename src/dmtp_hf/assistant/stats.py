@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-STAGES = ("prefill", "draft_prefill", "mtp", "t1_fusion", "dflash", "verify", "rollback", "commit")
+STAGES = ("prefill", "draft_prefill", "mtp", "t1", "mtp_step", "dflash", "verify", "rollback", "commit")
 # Stages inside the decoding rounds: with synchronised timing they add up to the "rounds" stage.
-ROUND_STAGES = ("mtp", "t1_fusion", "dflash", "verify", "rollback", "commit")
+ROUND_STAGES = ("mtp", "t1", "mtp_step", "dflash", "verify", "rollback", "commit")
 
 
 @dataclass
@@ -46,11 +47,15 @@ class SpecStats:
     """Aggregated statistics of one or many speculative ``generate`` calls (one entry per request/turn).
 
     Stage times are wall-clock seconds per stage: ``prefill`` (target), ``draft_prefill`` (MTP + DFlash state
-    over the prompt), ``mtp`` (MTP advance and MTP-k chaining), ``t1_fusion`` (T1 head + selection + embedding +
-    fusion), ``dflash`` (the parallel draft forward), ``verify`` (target forward + acceptance), ``rollback``
+    over the prompt), ``mtp`` (the MTP head over the pairs committed since it last ran), ``t1`` (the MTP head's
+    T1 logits + selection), ``mtp_step`` (each further step of an MTP-k chain), ``dflash`` (T1's embedding +
+    fusion, the parallel draft forward and its candidates), ``verify`` (target forward + acceptance), ``rollback``
     (target cache crop / restore + replay), ``commit`` (the round's bookkeeping and its one host sync); ``rounds``
     is the wall time of all rounds, which the round stages add up to. On CUDA every stage is synchronised with
     ``profile=True`` (``sync_device``), so the times are exact and add up.
+
+    This is the engine's one timer: ``listener(name, seconds)``, when set (the round's width policy, for its cost
+    model), hears every stage as it ends.
     """
 
     def __init__(self, num_candidates: int, strategy: str = "dmtp") -> None:
@@ -65,6 +70,7 @@ class SpecStats:
         self.skipped_drafts = 0
         self.plain_rounds = 0  # auto rounds that ran no drafter stage (drafting did not pay)
         self.sync_device: torch.device | None = None  # set by `profile=True`: every stage synchronises on CUDA
+        self.listener: Callable[[str, float], None] | None = None  # hears every stage's seconds (see above)
 
     # -- recording -------------------------------------------------------------------------------------------------
 
@@ -88,7 +94,10 @@ class SpecStats:
         finally:
             if sync_device is not None and sync_device.type == "cuda":
                 torch.cuda.synchronize(sync_device)
-            self.stage_seconds[name] += time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            self.stage_seconds[name] += seconds
+            if self.listener is not None:
+                self.listener(name, seconds)
 
     def record_widths(self, policy) -> None:
         """Add the widths an auto-width policy chose (and its skipped draft forwards) after a call."""

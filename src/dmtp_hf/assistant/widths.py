@@ -20,6 +20,12 @@ maximises tokens per second over the batch (``k = 0`` is a plain decoding step):
 - One width serves the whole batch: a batch's verify is one padded rectangle, so a shorter block for one row would
   save no compute and only give up tokens.
 
+Every policy answers the drafter's questions of a round (`RoundWidth`): does this round draft at all
+(`~RoundWidth.begin_round`), is drafting past the first d candidates worth its next stage
+(`~RoundWidth.draft_further`), how many of the drafted candidates are verified (`~RoundWidth.choose`); after the
+verify it hears what was accepted (`~RoundWidth.learn`) and, through the statistics' timer, what each stage cost
+(`~RoundWidth.timed`). `AllCandidates` (the default) and `FixedWidth` answer from K and ``verify_length`` alone.
+
 Lossless is unchanged: a shorter block is verified exactly as a long one. Choosing reads the confidences on the
 host: one more synchronisation per round in ``auto`` mode.
 """
@@ -31,6 +37,7 @@ import math
 import operator
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +46,17 @@ from transformers.cache_utils import DynamicCache
 
 from .linear_attention import has_gated_delta_net, verify_kernel_kwargs
 
-__all__ = ["AutoWidth", "Calibration", "CostModel", "check_verify_length", "confidences", "width_policy"]
+__all__ = [
+    "AllCandidates",
+    "AutoWidth",
+    "Calibration",
+    "CostModel",
+    "FixedWidth",
+    "RoundWidth",
+    "check_verify_length",
+    "confidences",
+    "width_policy",
+]
 
 _COSTS: dict[tuple, dict[int, float]] = {}  # (target id, device, dtype, batch) -> width -> seconds
 # What earlier calls learned of a draft's acceptance per position (`AutoWidth.prior`, ...): per draft
@@ -136,6 +153,67 @@ def _isotonic(sums: list[float], counts: list[int]) -> list[float]:
     return out
 
 
+class RoundWidth:
+    """The width policy a drafter asks each round (see the module docstring): every candidate it drafts, here.
+
+    ``stage_plan[k]`` names the drafter stages a round verifying k candidates runs (statistics stage names, e.g.
+    DMTP ``[[], ["t1"], ["t1", "dflash"], ...]``); the drafter gives it when the policy is made (`width_policy`).
+    """
+
+    def __init__(self, max_candidates: int, stage_plan: list[list[str]] | None = None) -> None:
+        self.max_candidates = max_candidates
+        self.stage_plan = stage_plan or [[]] * (max_candidates + 1)
+        self.widths: list[int] = []  # the chosen width of every round
+        self.skipped = 0  # rounds that ran no draft forward beyond T1 (or none at all)
+        self.plain = 0  # of which rounds that ran no drafter stage at all
+
+    def begin_round(self, batch_size: int) -> bool:
+        """Before any drafter stage: does this round draft? (``False``: a plain decoding step.)"""
+        return True
+
+    def draft_further(self, tokens: torch.Tensor, scores: torch.Tensor) -> bool:
+        """With the first d candidates drafted (``tokens`` ``[B, d]``, processed ``scores`` ``[B, d, V]``): is the
+        drafter's next stage worth running?"""
+        return tokens.shape[1] < self.max_candidates
+
+    def choose(self, tokens: torch.Tensor, scores: torch.Tensor) -> int:
+        """How many of the drafted candidates (``tokens`` ``[B, d]``) this round verifies."""
+        return tokens.shape[1]
+
+    def learn(self, num_valid: list[int] | None) -> None:
+        """After the verify: each row's committed count (accepted + bonus)."""
+
+    def timed(self, stage: str, seconds: float) -> None:
+        """A stage's measured seconds, from the statistics' timer."""
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Finished rows left the batch."""
+
+
+class AllCandidates(RoundWidth):
+    """Every round drafts and verifies all K candidates (``verify_length=None``)."""
+
+
+class FixedWidth(RoundWidth):
+    """Every round drafts and verifies ``width`` candidates (``verify_length=N``, at most K; 0: plain decoding)."""
+
+    def __init__(self, width: int, max_candidates: int, stage_plan: list[list[str]] | None = None) -> None:
+        super().__init__(max_candidates, stage_plan)
+        self.width = min(width, max_candidates)
+
+    def begin_round(self, batch_size: int) -> bool:
+        """Width 0 never drafts."""
+        return self.width > 0
+
+    def draft_further(self, tokens: torch.Tensor, scores: torch.Tensor) -> bool:
+        """Until ``width`` candidates are drafted."""
+        return tokens.shape[1] < self.width
+
+    def choose(self, tokens: torch.Tensor, scores: torch.Tensor) -> int:
+        """``width``, or fewer when the drafter proposed fewer."""
+        return min(self.width, tokens.shape[1])
+
+
 class CostModel:
     """Seconds of a target forward per width (measured once per target/device/dtype/batch) and of the drafter's
     stages (running means of what the generation itself measured)."""
@@ -145,13 +223,22 @@ class CostModel:
         self.stages: dict[str, float] = {}
 
     @classmethod
-    def measure(cls, target, batch_size: int, max_width: int, repeats: int = 3, context: int = 64) -> CostModel:
+    def measure(
+        cls,
+        target,
+        batch_size: int,
+        max_width: int,
+        repeats: int = 3,
+        context: int = 64,
+        on_width: Callable[[int], None] | None = None,
+    ) -> CostModel:
         """Time target forwards of 1..``max_width`` tokens after a ``context``-token prompt (best of ``repeats``,
-        made non-decreasing in the width; cached)."""
+        made non-decreasing in the width; cached). ``on_width(width)`` is called after each width is timed (a
+        progress bar: this takes minutes on a large target); never for cached widths."""
         embedding = target.get_input_embeddings().weight
         key = (id(target), embedding.device, embedding.dtype, batch_size)
         if key not in _COSTS or max(_COSTS[key]) < max_width:  # a wider drafter than the last one needs more
-            _COSTS[key] = _time_widths(target, batch_size, max_width, repeats, context)
+            _COSTS[key] = _time_widths(target, batch_size, max_width, repeats, context, on_width)
         return cls(dict(_COSTS[key]))
 
     def update(self, stage: str, seconds: float) -> None:
@@ -165,7 +252,9 @@ class CostModel:
 
 
 @torch.no_grad()
-def _time_widths(target, batch_size: int, max_width: int, repeats: int, context: int) -> dict[int, float]:
+def _time_widths(
+    target, batch_size: int, max_width: int, repeats: int, context: int, on_width: Callable[[int], None] | None = None
+) -> dict[int, float]:
     device = target.get_input_embeddings().weight.device
     vocab = target.get_input_embeddings().weight.shape[0]
     generator = torch.Generator().manual_seed(0)
@@ -184,6 +273,8 @@ def _time_widths(target, batch_size: int, max_width: int, repeats: int, context:
             _sync(device)
             samples.append(time.perf_counter() - start)
         timings[width] = min(samples[1:])  # the least disturbed run (a shared machine only ever adds time)
+        if on_width is not None:
+            on_width(width)
     # a wider forward never costs less: noise that says otherwise is pooled away (isotonic, non-decreasing)
     pooled = _isotonic(list(timings.values()), [1] * len(timings))
     return dict(zip(timings, pooled, strict=True))
@@ -194,14 +285,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def width_policy(verify_length: int | str | None, target, drafter, batch_size: int):
-    """What the drafter's ``width_policy`` becomes for ``verify_length``: ``None`` (every round K candidates), a fixed
-    number (at most K), or ``"auto"`` (`AutoWidth`, with the target's costs measured here and the draft's
-    calibration)."""
-    if verify_length is None:
-        return None
+def width_policy(verify_length: int | str | RoundWidth | None, target, drafter, batch_size: int) -> RoundWidth:
+    """The round width policy for ``verify_length``: `AllCandidates` (``None``), `FixedWidth` (a number, at most
+    K) or `AutoWidth` (``"auto"``, with the target's costs measured here and the draft's calibration; or an
+    `AutoWidth` the caller built). The drafter's ``stage_plan`` says what each width's round runs."""
     num_candidates = drafter.num_candidates
+    stage_plan = drafter.stage_plan()
+    if verify_length is None:
+        return AllCandidates(num_candidates, stage_plan)
     if isinstance(verify_length, AutoWidth):  # a policy built by the caller (its own costs or calibration)
+        verify_length.stage_plan = stage_plan
+        verify_length.pending = None
         verify_length.widths = []
         verify_length.skipped = 0
         verify_length.plain = 0
@@ -210,7 +304,7 @@ def width_policy(verify_length: int | str | None, target, drafter, batch_size: i
         draft = getattr(drafter, "draft", None)
         stored = draft.config.dmtp_config.get("acceptance_calibration") if draft is not None else None
         cost = CostModel.measure(target, batch_size, num_candidates + 1)
-        policy = AutoWidth(cost, Calibration.from_dict(stored), num_candidates)
+        policy = AutoWidth(cost, Calibration.from_dict(stored), num_candidates, stage_plan)
         source = draft if draft is not None else getattr(drafter, "head", drafter)
         key = (getattr(drafter, "name", type(drafter).__name__), num_candidates)
         # across calls: the estimates (lists, shared) and the probe schedule (`AutoWidth.memory`)
@@ -227,7 +321,7 @@ def width_policy(verify_length: int | str | None, target, drafter, batch_size: i
             setattr(policy, name, value)
         return policy
     check_verify_length(verify_length)
-    return min(verify_length, num_candidates)  # a drafter proposes at most its K
+    return FixedWidth(verify_length, num_candidates, stage_plan)
 
 
 def check_verify_length(verify_length) -> None:
@@ -238,13 +332,19 @@ def check_verify_length(verify_length) -> None:
         raise ValueError(f"verify_length must be 'auto', an AutoWidth or an integer >= 0, got {verify_length!r}")
 
 
-class AutoWidth:
+class AutoWidth(RoundWidth):
     """Chooses the number of candidates of a round (see the module docstring)."""
 
-    def __init__(self, cost: CostModel, calibration: Calibration, max_candidates: int) -> None:
+    def __init__(
+        self,
+        cost: CostModel,
+        calibration: Calibration,
+        max_candidates: int,
+        stage_plan: list[list[str]] | None = None,
+    ) -> None:
+        super().__init__(max_candidates, stage_plan)
         self.cost = cost
         self.calibration = calibration
-        self.max_candidates = max_candidates
         # P(accepted | earlier accepted) per position, learned; before any round the calibration's held-out rates,
         # or optimistic for a draft without them
         base = calibration.base_rates
@@ -252,12 +352,57 @@ class AutoWidth:
         self.seen = [0.0] * max_candidates  # tests each prior has absorbed
         self.mean_confidence = [PRIOR_ACCEPTANCE] * max_candidates  # of the tested candidates (see `acceptance`)
         self.probing = False  # this round verifies the whole block, whatever the estimates (see `drafts`)
-        self.widths: list[int] = []  # the chosen width of every round
-        self.skipped = 0  # rounds that ran no draft forward beyond T1 (or none at all)
-        self.plain = 0  # of which rounds that ran no drafter stage at all (`drafts`)
+        # the last round's verified confidences [B, k] and predicted acceptance of all drafted candidates [B, d],
+        # until its verdict is learned
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.probe_interval = FIRST_PROBE_INTERVAL  # plain rounds between probes (`drafts`)
         self.since_probe = 0  # plain rounds since the last probe
         self.memory: dict[str, Any] | None = None  # what later calls for the same draft start from (`width_policy`)
+
+    # -- the round's questions (`RoundWidth`) -------------------------------------------------------------------
+
+    def begin_round(self, batch_size: int) -> bool:
+        """`drafts` over the drafter's stage plan (a call can end between a proposal and its verdict: a new
+        round forgets an unanswered one)."""
+        self.pending = None
+        return self.drafts(batch_size, self.stage_plan)
+
+    def draft_further(self, tokens: torch.Tensor, scores: torch.Tensor) -> bool:
+        """Only while the best width, given these candidates' predicted acceptance, is wider than what is drafted
+        (DMTP: after T1, whether DFlash runs; MTP-k: whether the chain goes on)."""
+        drafted = tokens.shape[1]
+        further = self.best(self.acceptance(confidences(tokens, scores)), self.stage_plan) > drafted
+        self.skipped += drafted == 1 and not further
+        return further
+
+    def choose(self, tokens: torch.Tensor, scores: torch.Tensor) -> int:
+        """The best width given every drafted candidate's predicted acceptance (remembered for `learn`)."""
+        conf = confidences(tokens, scores)
+        predicted = self.acceptance(conf)
+        width = min(self.best(predicted, self.stage_plan), tokens.shape[1])
+        self.pending = (conf[:, :width], predicted)
+        self.widths.append(width)
+        return width
+
+    def learn(self, num_valid: list[int] | None) -> None:
+        """The round's acceptance (committed counts - 1 per row) updates the priors."""
+        if self.pending is not None and num_valid is not None:
+            conf, predicted = self.pending
+            accepted = torch.tensor([max(count - 1, 0) for count in num_valid], device=conf.device)
+            self.observe(conf, accepted, predicted)
+        self.pending = None
+
+    def timed(self, stage: str, seconds: float) -> None:
+        """Drafter stages feed the cost model (the target's verify is priced by `CostModel.measure`)."""
+        if any(stage in stages for stages in self.stage_plan):
+            self.cost.update(stage, seconds)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep the unanswered round's rows."""
+        if self.pending is not None:
+            self.pending = (self.pending[0][rows], self.pending[1][rows])
+
+    # -- the estimates ---------------------------------------------------------------------------------------------
 
     def best(self, known: torch.Tensor, draft_stages: list[list[str]]) -> int:
         """The width (0..K) with the most expected tokens per second for the batch, given the acceptance
