@@ -104,8 +104,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of the ``dmtp`` console script."""
-    from .modeling.configuration_dmtp import ANCHOR_LAYOUTS, FUSIONS
+    """The argument parser of the ``dmtp`` console script (built without loading torch or Transformers)."""
+    from .choices import ANCHOR_LAYOUTS, FUSIONS
 
     parser = argparse.ArgumentParser(
         prog="dmtp", description="DMTP speculative decoding: demo, conversion, training, evaluation, benchmarks."

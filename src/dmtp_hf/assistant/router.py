@@ -8,9 +8,10 @@ DMTP draft, a native MTP head or any :class:`Drafter`, the call goes to Transfor
 with :func:`~dmtp_hf.assistant.generate.dmtp_custom_generate`; every other call goes to the original ``generate``
 untouched. No class and no other instance is changed.
 
-The router is installed explicitly: ``import dmtp_hf`` calls :func:`route_bound_targets`, which registers
-:func:`install_generate_router` as a bind hook of ``DMTPDraftModel`` (the modeling layer knows nothing of the
-engine). Call :func:`install_generate_router` yourself for a target you drive with a bare :class:`Drafter`.
+The router is a bind hook of ``DMTPDraftModel`` by default: ``modeling.binding`` names
+:func:`install_generate_router` by its dotted path (``DEFAULT_BIND_HOOKS``) and imports this module at the first
+bind, so the modeling layer never imports the engine and ``from dmtp_hf import DMTPDraftModel`` alone is enough.
+Call :func:`install_generate_router` yourself for a target you drive with a bare :class:`Drafter`.
 """
 
 from __future__ import annotations
@@ -43,5 +44,6 @@ def install_generate_router(target) -> None:
 
 
 def route_bound_targets() -> None:
-    """Install the router on every target a draft is bound to from now on (called once by ``import dmtp_hf``)."""
+    """Install the router on every target a draft is bound to from now on. Binding already does by default
+    (``modeling.binding.DEFAULT_BIND_HOOKS``); kept for code that calls it, it registers the same hook once."""
     register_bind_hook(install_generate_router)

@@ -1,7 +1,9 @@
 """The ``dmtp eval``, ``dmtp bench`` and ``dmtp push`` subcommands (registered by :mod:`dmtp_hf.cli`).
 
 Expected failures (bad paths, malformed prompt files, missing models) raise ``ValueError``/``OSError``; the
-``dmtp`` entry point prints them as one line and exits with status 2.
+``dmtp`` entry point prints them as one line and exits with status 2. Building the parsers loads neither torch nor
+Transformers (a fast ``dmtp --help``): the commands import what they run. Every default a help text states is read
+from the value that sets it (``%(default)s`` or the constant itself).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from .models import default_strategies_text
 from .prompts import BUNDLED_SETS, DEFAULT_LIMIT
 
 
@@ -79,7 +82,8 @@ def _add_common(parser: argparse.ArgumentParser, default_output: str) -> None:
     work = parser.add_argument_group("workload")
     work.add_argument(
         "--strategies",
-        help="comma-separated: dmtp, dflash, mtp1..mtpK and --extra-draft labels (default: dmtp[,dflash],mtp4)",
+        help="comma-separated: dmtp, dflash, mtp1..mtpK and --extra-draft labels "
+        f"(default: {default_strategies_text()})",
     )
     work.add_argument(
         "--datasets",
@@ -90,8 +94,10 @@ def _add_common(parser: argparse.ArgumentParser, default_output: str) -> None:
     work.add_argument(
         "--prompts", action="append", type=Path, default=[], metavar="PATH", help="extra prompt file (repeatable)"
     )
-    work.add_argument("--limit", type=int, default=DEFAULT_LIMIT, help="first N prompts of each set (default 80)")
-    work.add_argument("--max-new-tokens", type=int, default=1024, help="per turn (default 1024)")
+    work.add_argument(
+        "--limit", type=int, default=DEFAULT_LIMIT, help="first N prompts of each set (default %(default)s)"
+    )
+    work.add_argument("--max-new-tokens", type=int, default=1024, help="per turn (default %(default)s)")
     work.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     work.add_argument(
         "--verify-mode",
@@ -109,13 +115,13 @@ def _add_common(parser: argparse.ArgumentParser, default_output: str) -> None:
     )
     work.add_argument("--no-chat-template", action="store_true", help="feed raw prompts (no chat template)")
     work.add_argument("--enable-thinking", action="store_true", help="render the chat template with thinking on")
-    work.add_argument("--seed", type=int, default=0)
+    work.add_argument("--seed", type=int, default=0, help="default %(default)s")
     work.add_argument(
         "--fast-path",
         action="store_true",
         help="fixed-slot drafters (CUDA graphs on GPU for greedy rounds); same tokens as the default path",
     )
-    parser.add_argument("--output-dir", type=Path, default=Path(default_output))
+    parser.add_argument("--output-dir", type=Path, default=Path(default_output), help="default %(default)s")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
 
@@ -145,11 +151,18 @@ def add_subcommands(sub) -> None:
     )
     _add_common(bench, "outputs/bench")
     bench.add_argument(
-        "--batch-sizes", type=_int_list, default=[1], help="e.g. 1,2,4 (Transformers' assisted decoding: 1 only)"
+        "--batch-sizes",
+        type=_int_list,
+        default="1",  # a string default goes through `type` like a typed value, and %(default)s shows it as typed
+        help="e.g. 1,2,4 (default %(default)s; Transformers' assisted decoding: 1 only)",
     )
     bench.add_argument("--assistant", help="small assistant model for Transformers' assisted decoding")
-    bench.add_argument("--prompt-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens (default 10)")
-    bench.add_argument("--repeats", type=int, default=1, help="repeat the workload (interleaved) N times")
+    bench.add_argument(
+        "--prompt-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens (default %(default)s)"
+    )
+    bench.add_argument(
+        "--repeats", type=int, default=1, help="repeat the workload (interleaved) N times (default %(default)s)"
+    )
     bench.add_argument(
         "--compile",
         action="store_true",
@@ -165,14 +178,14 @@ def add_subcommands(sub) -> None:
     calibrate.add_argument(
         "--write", action="store_true", help="store each fit in its draft's config.json (what auto widths read)"
     )
-    calibrate.add_argument("--bins", type=int, default=10, help="confidence bins per position (default 10)")
+    calibrate.add_argument("--bins", type=int, default=10, help="confidence bins per position (default %(default)s)")
     calibrate.add_argument(
         "--held-out",
         type=float,
         default=0.25,
         help=(
             "fraction of recorded candidates the reported Brier scores and reliability curves are computed on "
-            "(fit on the rest; the stored fit uses all)"
+            "(fit on the rest; the stored fit uses all; default %(default)s)"
         ),
     )
     calibrate.set_defaults(func=cmd_calibrate)
@@ -239,7 +252,7 @@ def _load(args: argparse.Namespace) -> dict[str, Any]:
         heads=dict(args.head),
         bundle=args.bundle,
     )
-    labels = parse_strategies(args.strategies, paths)
+    labels = parse_strategies(args.strategies, paths, extra_labels=[label for label, _ in args.extra_draft])
     device, dtype = resolve_device_dtype(args.device, args.dtype)
     target = load_target(paths.target, device, dtype)
     tokenizer = load_tokenizer(paths.tokenizer or paths.target)
@@ -257,9 +270,11 @@ def _load(args: argparse.Namespace) -> dict[str, Any]:
 def _console():
     from rich.console import Console
 
-    # Wide enough that method names and numbers are never elided when stdout is not a terminal.
-    width = max(140, shutil.get_terminal_size((140, 24)).columns)
-    return Console(width=width)
+    from .report import TABLE_WIDTH
+
+    # The tables are laid out for TABLE_WIDTH columns (a narrower terminal: its own width); stdout that is not a
+    # terminal gets exactly that, not rich's 80, so nothing in a log is elided.
+    return Console(width=min(TABLE_WIDTH, shutil.get_terminal_size((TABLE_WIDTH, 24)).columns))
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
@@ -325,11 +340,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """``dmtp eval``: run the acceptance evaluation and write JSON, markdown and plots."""
-    from rich.table import Table
-
     from .acceptance import run_acceptance_eval
     from .merge import merge_eval_results
-    from .report import dataset_rows, write_eval_outputs
+    from .report import eval_table, write_eval_outputs
 
     if args.report_only:
         parts = []
@@ -351,28 +364,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
         )
     files = write_eval_outputs(results, args.output_dir)
-    labels = [s["label"] for s in results["strategies"]]
-    table = Table(
-        title="acceptance length per request (per verify) · first-candidate acceptance · speedup over generate"
-    )
-    table.add_column("dataset", no_wrap=True)
-    for label in labels:
-        table.add_column(label, justify="right")
-    for _, display, entries in dataset_rows(results):
-        cells = []
-        for label in labels:
-            e = entries[label]
-            if e["num_rounds"]:
-                speed = f" · {e['speedup']:.2f}x" if e.get("speedup") is not None else ""
-                cells.append(
-                    f"{e['acceptance_length_per_request']:.3f} ({e['acceptance_length_per_verify']:.3f}) · "
-                    f"{100 * e['first_candidate_acceptance']:.1f}%{speed}"
-                )
-            else:
-                cells.append("no rounds")
-        table.add_row(display, *cells)
     console = _console()
-    console.print(table)
+    console.print(eval_table(results))
     for kind, path in files.items():
         console.print(f"wrote {kind}: {path}")
     return 0
@@ -454,7 +447,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             on_batch_size=write,
         )
         widest = 1 + max((s.num_candidates for s in loaded["strategies"]), default=7)
-        results["verify_costs"] = verify_costs(target, args.batch_sizes, widest)
+        results["verify_costs"] = verify_costs(target, args.batch_sizes, widest, progress=not args.no_progress)
     results["models"] = models
     write(results)
     plot = plot_throughput(results, out / "throughput.png")

@@ -8,18 +8,28 @@ error asking for the paths.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch and the engine load on use: the `dmtp` parser reads this module's defaults
+    import torch
 
-from ..assistant.drafters import Drafter
+    from ..assistant.drafters import Drafter
 
 MTP_STRATEGY = re.compile(r"^mtp(\d+)(?:@(?P<head>[\w.-]+))?$")
 DMTP_KINDS = ("dmtp", "dflash")
 WIDTH_SUFFIX = re.compile(r"^(?P<base>.+?):(?P<width>auto|\d+)$")  # dmtp:auto, mtp4:2: the round width of a label
+# What runs when `--strategies` is omitted ("dflash" only where a DFlash draft is known), followed by the labels of
+# the `--extra-draft` options given; a bundle's other drafts run when named.
+DEFAULT_STRATEGIES = ("dmtp", "dflash", "mtp4")
+
+
+def default_strategies_text() -> str:
+    """What the ``--strategies`` help says the default is (from :data:`DEFAULT_STRATEGIES`)."""
+    named = ", ".join(f"{s} (when a DFlash draft is known)" if s == "dflash" else s for s in DEFAULT_STRATEGIES)
+    return f"{named}, then the --extra-draft labels given"
 
 
 def split_width(label: str) -> tuple[str, int | str | None]:
@@ -100,6 +110,8 @@ def _optional(value: Any) -> str | None:
 
 def resolve_device_dtype(device: str | None, dtype: str | None) -> tuple[torch.device, torch.dtype]:
     """``device`` default: CUDA when available; ``dtype`` default: bfloat16 on CUDA, float32 on CPU."""
+    import torch
+
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dtype in (None, "auto"):
         return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -169,16 +181,19 @@ class Strategy:
         }
 
 
-def parse_strategies(spec: str | None, paths: ModelPaths) -> list[str]:
-    """Strategy labels from ``--strategies`` (``None``: dmtp, dflash when a DFlash draft is known, mtp4).
+def parse_strategies(spec: str | None, paths: ModelPaths, extra_labels: Iterable[str] | None = None) -> list[str]:
+    """Strategy labels from ``--strategies``. ``None``: :data:`DEFAULT_STRATEGIES` (``dflash`` when a DFlash draft is
+    known), then ``extra_labels`` (the ``--extra-draft`` labels given; ``None``: every label of
+    ``paths.extra_drafts``, a bundle's included).
 
     Valid labels: ``dmtp``, ``dflash``, ``mtpK`` (K >= 1; ``mtpK@HEAD`` with a head given by ``--head HEAD=PATH``)
     and the labels of ``--extra-draft LABEL=PATH``; each may end with ``:auto`` or ``:N``, its candidates verified
     per round (``dmtp,dmtp:auto`` compares a fixed and an adaptive width side by side).
     """
     if spec is None:
-        labels = ["dmtp"] + (["dflash"] if paths.dflash_draft else []) + ["mtp4"]
-        labels += [label for label in paths.extra_drafts if label not in labels]
+        labels = [s for s in DEFAULT_STRATEGIES if s != "dflash" or paths.dflash_draft]
+        extras = paths.extra_drafts if extra_labels is None else extra_labels
+        labels += [label for label in extras if label not in labels]
         return labels
     labels = [part.strip() for part in spec.split(",") if part.strip()]
     if not labels:

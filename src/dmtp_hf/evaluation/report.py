@@ -11,6 +11,9 @@ from pathlib import Path
 from typing import Any
 
 ALL = "overall"
+# The widest a printed table may be (`dmtp eval`, `dmtp bench`, `dmtp calibrate`): the tables are laid out to fit it,
+# and a cell wider than its share wraps instead of being cut short.
+TABLE_WIDTH = 120
 
 
 def _fmt(value: float | None, digits: int = 3) -> str:
@@ -46,6 +49,69 @@ def comparison_pairs(results: dict[str, Any]) -> list[tuple[str, str]]:
     if not dflash:
         return []
     return [(label, dflash[0]) for label, kind in kinds.items() if kind == "dmtp"]
+
+
+def lossless_by_strategy(results: dict[str, Any]) -> dict[str, dict[str, bool | None]]:
+    """``{strategy: {dataset key (and ALL): lossless}}``: whether every output of the strategy equalled plain
+    ``generate``'s, token for token (the ``output_digest`` of each, timed in the same run). ``None`` where it cannot
+    be told: no plain ``generate`` ran (``--no-baseline``), or sampled decoding (T > 0), whose tokens may differ while
+    the distribution is the same."""
+    sampled = bool(results["settings"].get("temperature"))
+    column_baselines = results.get("column_baselines") or {}
+    out: dict[str, dict[str, bool | None]] = {}
+    for strategy in results["strategies"]:
+        label = strategy["label"]
+        baseline = column_baselines.get(label) or results.get("baseline") or {}
+        by_dataset: dict[str, bool | None] = {}
+        for dataset in results["datasets"]:
+            name = dataset["name"]
+            ours = results["results"][name][label].get("output_digest")
+            reference = baseline.get(name, {}).get("output_digest")
+            by_dataset[name] = None if sampled or ours is None or reference is None else ours == reference
+        values = list(by_dataset.values())
+        by_dataset[ALL] = None if None in values else all(values)
+        out[label] = by_dataset
+    return out
+
+
+def _yes_no(value: bool | None) -> str:
+    return "n/a" if value is None else ("yes" if value else "NO")
+
+
+def eval_table(results: dict[str, Any]):
+    """The table ``dmtp eval`` prints (a rich ``Table``, at most :data:`TABLE_WIDTH` columns): one row per dataset
+    and strategy, so that neither many strategies nor long labels widen it; then a caption saying what each column
+    is."""
+    from rich.table import Table
+
+    lossless = lossless_by_strategy(results)
+    table = Table(
+        title="dmtp eval: acceptance length per request (τ), first-candidate acceptance, speedup, lossless",
+        caption="τ: tokens committed per verify round (mean over requests; over all rounds) · T1: rounds whose first "
+        "candidate was accepted · speedup: tokens/s over plain generate's in the same run · lossless: every output "
+        "equal to plain generate's, token for token (n/a: no plain generate, or T > 0)",
+        caption_justify="left",
+    )
+    for name, justify in [("dataset", "left"), ("strategy", "left")] + [
+        (name, "right") for name in ("τ per request", "τ per verify", "T1 accepted", "speedup", "lossless")
+    ]:
+        table.add_column(name, justify=justify, overflow="fold")
+    labels = [s["label"] for s in results["strategies"]]
+    for key, display, entries in dataset_rows(results):
+        for index, label in enumerate(labels):
+            e = entries[label]
+            rounds = bool(e["num_rounds"])
+            table.add_row(
+                display if index == 0 else "",
+                label,
+                _fmt(e["acceptance_length_per_request"]) if rounds else "no rounds",
+                _fmt(e["acceptance_length_per_verify"]) if rounds else "—",
+                f"{100 * e['first_candidate_acceptance']:.1f}%" if rounds else "—",
+                f"{_fmt(e.get('speedup'), 2)}×" if e.get("speedup") is not None else "n/a",
+                _yes_no(lossless[label][key]),
+                end_section=index == len(labels) - 1,
+            )
+    return table
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:

@@ -87,11 +87,8 @@ def build_baselines(
                 **gen_kwargs,
             )
 
-        what = {"dmtp": "DMTP (native MTP T1 + DFlash T2..)", "dflash": "our DFlash", "mtp": "our native MTP"}[
-            strategy.kind
-        ]
         plural = "s" if strategy.num_candidates != 1 else ""
-        description = f"{what}, {strategy.num_candidates} candidate{plural}"
+        description = f"{strategy_method(strategy)}, {strategy.num_candidates} candidate{plural}"
         description += f", verify_length={width}" if width is not None else ""
         description += ", compiled verify" if compile else ""
         # the batched engine; a compiled verify runs over a static cache, batch size 1
@@ -128,6 +125,15 @@ def build_baselines(
     if assisted.skipped is None and is_stateful:
         assisted.skipped = stateful
     return [*baselines, lookup, mtp, assisted]
+
+
+def strategy_method(strategy: Strategy) -> str:
+    """What a strategy runs, in words: ``our DFlash2`` for a draft on the DFlash2 backbone, ``DMTP (native MTP T1 +
+    DFlash T2..)`` for a DMTP draft on the DFlash one, ``our native MTP`` for MTP-k."""
+    if strategy.kind == "mtp":
+        return "our native MTP"
+    backbone = "DFlash2" if strategy.details.get("backbone") == "dflash2" else "DFlash"
+    return f"our {backbone}" if strategy.kind == "dflash" else f"DMTP (native MTP T1 + {backbone} T2..)"
 
 
 def compiled_plain_baseline(target, gen_kwargs: dict[str, Any]) -> Baseline:
@@ -320,40 +326,70 @@ def _results(baselines, settings, batch_sizes, repeats, prompts, device, *, comp
     )
 
 
+def _lossless_cell(baseline: dict[str, Any], sampled: bool) -> str:
+    """Whether a method's tokens equalled plain ``generate``'s on every prompt (batch size 1, greedy)."""
+    match = (baseline["results"].get("1") or {}).get("matches_generate")
+    if baseline["name"] == "generate":
+        return "reference"
+    if match is None or sampled:
+        return "n/a"
+    return "yes" if match == 1.0 else f"NO ({100 * match:.0f}%)"
+
+
 def bench_table(results: dict[str, Any]):
-    """A rich ``Table``: one row per method, ``tok/s (×generate)`` per batch size, then notes."""
+    """What ``dmtp bench`` prints (a rich renderable, at most ``report.TABLE_WIDTH`` columns): one row per method
+    with ``tok/s (×generate)`` per batch size and whether it was lossless, then a legend, one line per method (what
+    it runs, or why it was skipped)."""
+    from rich.console import Group
     from rich.table import Table
+    from rich.text import Text
 
     batch_sizes = results["settings"]["batch_sizes"]
-    table = Table(title="dmtp bench: end-to-end throughput (output tokens / wall time, prefill included)")
+    sampled = bool(results["settings"].get("temperature"))
+    table = Table(title="dmtp bench: output tokens/s (× plain generate) per batch size, prefill included")
     table.add_column("method", no_wrap=True)
     for bs in batch_sizes:
-        table.add_column(f"bs={bs} tok/s", justify="right")
-        table.add_column(f"bs={bs} ×gen", justify="right")
-    table.add_column("= generate", justify="right")
-    table.add_column("note")
+        table.add_column(f"bs={bs}", justify="right", overflow="fold")
+    table.add_column("lossless", justify="right", overflow="fold")
     for baseline in results["baselines"]:
         cells = []
         for bs in batch_sizes:
             entry = baseline["results"][str(bs)]
-            if entry is None:
-                cells += ["n/a", "n/a"]
-            else:
-                tps, speedup = entry["tokens_per_second"], entry["speedup"]
-                cells += [f"{tps:.1f}" if tps else "n/a", f"{speedup:.2f}×" if speedup else "n/a"]
-        first = baseline["results"].get("1") or {}
-        match = first.get("matches_generate")
-        note = baseline["skipped"] and f"skipped: {baseline['skipped']}" or baseline["description"]
-        table.add_row(baseline["name"], *cells, "n/a" if match is None else f"{100 * match:.0f}%", note)
-    return table
+            tps, speedup = (entry["tokens_per_second"], entry["speedup"]) if entry else (None, None)
+            cells.append("n/a" if not tps else f"{tps:.1f} ({speedup:.2f}×)" if speedup else f"{tps:.1f}")
+        table.add_row(baseline["name"], *cells, _lossless_cell(baseline, sampled))
+    legend = [
+        f"{b['name']}: " + (f"skipped: {b['skipped']}" if b["skipped"] else b["description"])
+        for b in results["baselines"]
+    ]
+    legend.append(
+        "lossless: every prompt's tokens equal plain generate's at batch size 1"
+        + (" (not told at T > 0: sampled tokens may differ)" if sampled else "")
+    )
+    return Group(table, Text("\n".join(legend)))
 
 
-def verify_costs(target, batch_sizes: list[int], max_width: int) -> dict[str, dict[str, float]]:
+def verify_costs(target, batch_sizes: list[int], max_width: int, progress: bool = True) -> dict[str, dict[str, float]]:
     """Seconds of one target forward over 1..``max_width`` tokens per batch size, as ``verify_length="auto"`` measures
-    them (`widths.CostModel`): ``{batch: {width: seconds}}``."""
+    them (`widths.CostModel`): ``{batch: {width: seconds}}``. ``progress``: a bar on stderr, one step per width and
+    batch size (minutes on a large target)."""
     from ..assistant.widths import CostModel
 
-    return {str(b): {str(w): t for w, t in CostModel.measure(target, b, max_width).verify.items()} for b in batch_sizes}
+    costs = {}
+    with tqdm(
+        total=len(batch_sizes) * max_width,
+        desc="measuring verify cost per width",
+        unit="width",
+        disable=not progress,
+        dynamic_ncols=True,
+    ) as bar:
+        for b in batch_sizes:
+            bar.set_postfix_str(f"bs={b}", refresh=False)
+            done = bar.n
+            measured = CostModel.measure(target, b, max_width, on_width=lambda _: bar.update())
+            bar.update(done + max_width - bar.n)  # widths measured earlier (cached) count as done
+            costs[str(b)] = {str(w): t for w, t in measured.verify.items()}
+    return costs
 
 
 def verify_cost_table(costs: dict[str, dict[str, float]]):

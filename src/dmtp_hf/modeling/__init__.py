@@ -1,4 +1,9 @@
-"""What is saved and loaded: the DMTP draft (DFlash backbone + T1 fusion), its config, and native MTP heads."""
+"""What is saved and loaded: the DMTP draft (DFlash backbone + T1 fusion), its config, and native MTP heads.
+
+Importing this package registers the draft with Transformers' ``AutoConfig``/``AutoModel`` (model type ``dmtp``).
+"""
+
+from transformers import AutoConfig, AutoModel
 
 from .attention_masks import AttentionLayout, dflash_visibility, draft_attention_masks
 from .binding import check_draft_target_compatibility, register_bind_hook
@@ -15,6 +20,11 @@ from .native_mtp import (
     load_native_mtp,
     register_mtp_layout,
 )
+
+# Here, not in `dmtp_hf/__init__`: that one loads this package only on first use (a fast `dmtp --help`), and every
+# path to the draft class (`from dmtp_hf import DMTPDraftModel`, `from dmtp_hf.modeling import ...`) passes here.
+AutoConfig.register(DMTPConfig.model_type, DMTPConfig, exist_ok=True)
+AutoModel.register(DMTPConfig, DMTPDraftModel, exist_ok=True)
 
 __all__ = [
     "ANCHOR_LAYOUTS",

@@ -3,11 +3,15 @@
 A draft owns no embedding, no LM head and no MTP head: it uses its target's. :func:`bind_draft` checks that the
 target can host the draft, attaches the target and the native MTP head as plain references (never submodules: they
 are neither saved nor moved with the draft, and ``references.deepcopy_sharing`` keeps them out of copies), and runs the
-bind hooks the generation layer registers (``import dmtp_hf`` routes ``target.generate(assistant_model=draft)``).
+bind hooks. The first is the generation layer's router (``dmtp_hf.assistant.router.install_generate_router``, which
+routes ``target.generate(assistant_model=draft)`` into the engine): it is named here by its dotted path and imported
+at the first bind, so this layer never imports the engine, and a user who imported only ``DMTPDraftModel`` gets a
+routed target all the same. :func:`register_bind_hook` adds more.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 
 from torch import nn
@@ -17,6 +21,7 @@ from .native_mtp.layouts import UnsupportedMTPFamilyError
 from .native_mtp.loading import NoNativeMTPError, load_native_mtp
 
 __all__ = [
+    "DEFAULT_BIND_HOOKS",
     "UNBOUND_ASSISTANT",
     "bind_draft",
     "bound_native_mtp",
@@ -30,14 +35,31 @@ UNBOUND_ASSISTANT = (
     "assistant_model=draft) then runs DMTP decoding."
 )
 
-_BIND_HOOKS: list[Callable[[nn.Module], None]] = []
+BindHook = Callable[[nn.Module], None]
+# "module:function" of the router. Only in this package: the remote code of a pushed repo copies this file without
+# the engine (its `custom_generate` routes there), and an installed dmtp_hf's router must not reach its targets.
+DEFAULT_BIND_HOOKS = ("dmtp_hf.assistant.router:install_generate_router",) if __name__.startswith("dmtp_hf.") else ()
+_BIND_HOOKS: list[BindHook | str] = list(DEFAULT_BIND_HOOKS)
 
 
-def register_bind_hook(hook: Callable[[nn.Module], None]) -> None:
-    """Run ``hook(target)`` whenever a draft is bound to a target (idempotent per hook). The generation layer uses
-    it to route ``target.generate(assistant_model=...)``; the modeling layer itself knows nothing of decoding."""
+def register_bind_hook(hook: BindHook | str) -> None:
+    """Run ``hook(target)`` whenever a draft is bound to a target (idempotent per hook). ``hook`` is a callable, or
+    the ``"module:function"`` path of one, imported at the first bind. The router of the generation layer is
+    registered by default (:data:`DEFAULT_BIND_HOOKS`); the modeling layer itself knows nothing of decoding."""
     if hook not in _BIND_HOOKS:
         _BIND_HOOKS.append(hook)
+
+
+def _bind_hooks() -> list[BindHook]:
+    """The registered hooks, paths imported, each function once (a path and the function it names run once)."""
+    hooks: list[BindHook] = []
+    for index, hook in enumerate(_BIND_HOOKS):
+        if isinstance(hook, str):
+            module, _, name = hook.partition(":")
+            hook = _BIND_HOOKS[index] = getattr(importlib.import_module(module), name)
+        if hook not in hooks:
+            hooks.append(hook)
+    return hooks
 
 
 def _text_config(target: nn.Module):
@@ -100,7 +122,7 @@ def bind_draft(draft: nn.Module, target: nn.Module, native_mtp: nn.Module | None
     draft.__dict__["_target"] = target  # plain references on purpose: never saved, moved or copied
     draft.__dict__["_native_mtp"] = native_mtp
     draft.__dict__["_native_mtp_missing"] = missing_reason
-    for hook in _BIND_HOOKS:
+    for hook in _bind_hooks():
         hook(target)
 
 
