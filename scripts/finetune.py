@@ -1,7 +1,8 @@
 """Train a DMTP (or DFlash) draft: ``accelerate launch scripts/finetune.py --config configs/example-dmtp.yaml``.
 
 Also runs as ``python scripts/finetune.py --config X.yaml`` (one process). Override any config key with
-``--set key=value`` (e.g. ``--set max_steps=100``). See `dmtp_hf.training.trainer` for the loop.
+``--set key=value`` (e.g. ``--set max_steps=100``). See `dmtp_hf.training.trainer` for the loop. Ctrl-C saves a
+resumable checkpoint, says where in one line and exits 0, under ``accelerate launch`` too; the same command resumes.
 """
 
 import os

@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -575,6 +576,70 @@ def test_accelerate_launch_two_processes_matches_one(tmp_path, target_dir):
     assert not torch.equal(initial["fc.weight"], one["fc.weight"])  # the runs did train
 
 
+# `python -c` that makes its stdin (a pseudo-terminal) the controlling terminal of its new session, then runs the
+# rest of its argv: `accelerate launch` as a shell runs it in a terminal, in the terminal's foreground process group.
+IN_A_TERMINAL = (
+    "import fcntl, os, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+)
+
+
+def test_ctrl_c_in_a_terminal_under_accelerate_launch_saves_and_exits_0_quietly(tmp_path, target_dir):
+    """Ctrl-C typed while `accelerate launch scripts/finetune.py` trains (the terminal sends SIGINT to its whole
+    foreground process group): the trainer saves a resumable checkpoint and says so in one line; neither it nor the
+    launcher prints a traceback, and `accelerate launch` exits 0 (it used to raise KeyboardInterrupt itself, then
+    CalledProcessError for the child's status 130)."""
+    import re
+    import threading
+
+    pytest.importorskip("termios")
+    data_file = tmp_path / "train.jsonl"
+    samples = random_dataset(8, 24).samples
+    data_file.write_text("\n".join(json.dumps({k: v.tolist() for k, v in s.items()}) for s in samples) + "\n")
+    values = make_config(tmp_path, target_model=str(target_dir), train_data=str(data_file), micro_batch_size=2,
+                         max_steps=10**6, output_dir=str(tmp_path / "run")).to_dict()  # fmt: skip
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(values))
+    command = [sys.executable, "-c", IN_A_TERMINAL, "-m", "accelerate.commands.launch", "--num_processes", "1",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--cpu",
+               str(REPO / "scripts" / "finetune.py"), "--config", str(tmp_path / "run.yaml")]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": ""}
+    terminal, its_side = os.openpty()
+    process = subprocess.Popen(command, env=env, stdin=its_side, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)  # fmt: skip
+    os.close(its_side)
+    stdout: list[str] = []
+    stderr: list[str] = []
+    readers = [
+        threading.Thread(target=lambda lines=lines, pipe=pipe: lines.extend(iter(pipe.readline, "")), daemon=True)
+        for lines, pipe in ((stdout, process.stdout), (stderr, process.stderr))
+    ]
+    for reader in readers:
+        reader.start()
+    try:
+        deadline = time.monotonic() + 240
+        while not any("train:" in line and "loss=" in line for line in stderr):  # a step is done
+            assert process.poll() is None and time.monotonic() < deadline, "".join(stderr)[-6000:]
+            time.sleep(0.1)
+        os.write(terminal, b"\x03")  # Ctrl-C
+        process.wait(timeout=120)
+        for reader in readers:
+            reader.join(timeout=10)
+    finally:
+        os.close(terminal)  # a hang-up for whatever is left in the terminal's session
+        if process.poll() is None:
+            os.killpg(process.pid, 9)
+    out, err = "".join(stdout), "".join(stderr)
+    assert process.returncode == 0, err[-6000:]
+    assert "Traceback" not in out + err and "KeyboardInterrupt" not in err, err[-6000:]
+    saved = [line for line in (out + err).splitlines() if "checkpoint" in line]
+    assert len(saved) == 1, saved
+    match = re.fullmatch(
+        r"SIGINT: stopped at step (\d+), resumable checkpoint in (\S+) \(rerun the same command to continue\)", saved[0]
+    )
+    assert match and Path(match[2]) == tmp_path / "run" / "checkpoints" / f"step-{int(match[1]):08d}", saved
+    assert (Path(match[2]) / "trainer_state.json").is_file()
+
+
 def test_gradient_accumulation_and_checkpointing_match_one_big_batch(tmp_path, target):
     data = random_dataset(8, 24)
     weights = {}
@@ -718,6 +783,53 @@ def test_a_signal_saves_a_resumable_checkpoint_and_stops(tmp_path, target, signa
     assert resumed.history[0]["step"] == 4
     weights = draft_weights(resumed.draft)
     assert all(torch.equal(weights[k], v) for k, v in straight.items())
+
+
+def test_the_end_of_a_run_says_what_it_did_counting_the_sessions_it_resumed(tmp_path, target, capsys):
+    """The last lines of a run: its steps and wall time, the interrupted session's included; the final checkpoint to
+    load or push; the held-out metrics of the final weights (evaluated at the last step, not the last multiple of
+    eval_every)."""
+    import re
+    import signal
+
+    from dmtp_hf.training.interruptions import TrainingInterrupted
+
+    data = random_dataset(8, 24)
+    config = make_config(tmp_path, max_steps=5, save_every=0, eval_every=2, resume_from="auto")
+
+    def interrupt(trainer, step, metrics):
+        if step == 3:
+            signal.raise_signal(signal.SIGINT)
+
+    with pytest.raises(TrainingInterrupted):
+        Trainer(config, target=target, train_dataset=data, eval_dataset=data).train(callbacks=[interrupt])
+    first = json.loads((tmp_path / "run" / "checkpoints" / "step-00000003" / "trainer_state.json").read_text())
+    assert first["sessions"] == 1 and first["train_seconds"] > 0
+    capsys.readouterr()
+    trainer = Trainer(config, target=target, train_dataset=data, eval_dataset=data)
+    trainer.train()
+    out = capsys.readouterr().out
+    summary = re.search(
+        r"^trained 5 steps on 1 process\(es\) in ([\d.]+)s \(2 sessions; this one: steps 4-5 in ([\d.]+)s\)$", out, re.M
+    )
+    assert summary, out
+    # the total is the checkpointed time, the first session's included
+    assert float(summary[1]) == pytest.approx(trainer.train_seconds, abs=0.05)
+    assert float(summary[2]) == pytest.approx(trainer.train_seconds - first["train_seconds"], abs=0.05)
+    final = tmp_path / "run" / "final"
+    assert (
+        f"final checkpoint: {final} (DMTPDraftModel.from_pretrained(path, target=target) loads it, `dmtp push " in out
+    )
+    metrics = trainer.last_eval
+    assert metrics["step"] == 5 and metrics == {"step": 5, **trainer.evaluate()}
+    accuracy = "/".join(f"{metrics[f'acc_{j}']:.2f}" for j in range(1, trainer.draft.config.num_candidates))
+    expected = (
+        f"final eval (step 5): loss {metrics['loss']:.4f}, acc {accuracy}, accept_len {metrics['accept_len']:.2f}, "
+        f"accept_len_tf {metrics['accept_len_tf']:.2f}"
+    )
+    assert expected in out.splitlines()
+    record = json.loads((final / "training.json").read_text())
+    assert record["sessions"] == 2 and record["last_eval"]["step"] == 5
 
 
 def test_resume_refuses_changed_settings_unless_allowed(tmp_path, target):

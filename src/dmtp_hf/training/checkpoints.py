@@ -193,6 +193,7 @@ class CheckpointMixin:
             "step": self.step,
             "total_steps": self.total_steps,
             "train_seconds": self.train_seconds,
+            "sessions": getattr(self, "sessions", 1),
             "last_eval": self.last_eval,
             "rewarm_from": self.rewarm_from,
             "config": self.config.to_dict(),
@@ -227,22 +228,29 @@ class CheckpointMixin:
             dtype=dtype,
         )
 
-    def export(self, directory: str | os.PathLike, head_directory: str | os.PathLike | None = None) -> None:
+    def export(self, directory: str | os.PathLike, head_directory: str | os.PathLike | None = None) -> dict[str, Path]:
         """Write what was trained, each atomically with a ``training.json``: the draft as a plain `DMTPDraftModel`
         checkpoint (LoRA merged) to ``directory``; the MTP head, when trained, to ``head_directory`` (default:
-        ``<directory>_mtp_head``) as a head checkpoint ``load_native_mtp(target, checkpoint=...)`` reads."""
+        ``<directory>_mtp_head``) as a head checkpoint ``load_native_mtp(target, checkpoint=...)`` reads. Returns
+        ``{"draft": ..., "mtp_head": ...}``, the folders written (on every process)."""
         state_dict = self.accelerator.get_state_dict(self.objective)
+        written = {}
+        if self.config.train_mtp_head != "only":
+            written["draft"] = Path(directory)
+        if self.trained_head is not None:
+            written["mtp_head"] = Path(head_directory or f"{directory}_mtp_head")
         if self.accelerator.is_main_process:
             record = json.dumps(self.training_record(), indent=2) + "\n"
-            if self.config.train_mtp_head != "only":
-                with atomic_directory(directory) as tmp:  # fp32 masters, exported in the target's dtype
+            if "draft" in written:
+                with atomic_directory(written["draft"]) as tmp:  # fp32 masters, exported in the target's dtype
                     self._save_models(tmp, None, state_dict, dtype=self.target.get_input_embeddings().weight.dtype)
                     (tmp / "training.json").write_text(record)
-            if self.trained_head is not None:
-                with atomic_directory(head_directory or f"{directory}_mtp_head") as tmp:
+            if "mtp_head" in written:
+                with atomic_directory(written["mtp_head"]) as tmp:
                     self._save_models(None, tmp, state_dict)
                     (tmp / "training.json").write_text(record)
         self.accelerator.wait_for_everyone()
+        return written
 
     def end_run(self) -> None:
         """End the run on every process together (after the last checkpoint or export): a barrier; then the DDP
@@ -289,6 +297,7 @@ class CheckpointMixin:
         else:
             self._load_weights_only(directory)
         self.train_seconds = float(state.get("train_seconds", 0.0))
+        self.sessions = int(state.get("sessions", 1)) + 1  # the sessions that wrote the checkpoint, and this one
         self.last_eval = state.get("last_eval")
         if self.accelerator.is_main_process:
             print(f"resumed from {directory} at step {self.step}")

@@ -17,9 +17,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import os
+import signal
 import sys
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +136,7 @@ class Trainer(CheckpointMixin):
         self.step = 0
         self.history: list[dict[str, float]] = []
         self.train_seconds = 0.0  # wall time of all runs so far (checkpointed, so resumed runs add up)
+        self.sessions = 1  # runs of the command that trained these weights, this one included (checkpointed)
         self.last_eval: dict[str, float] | None = None
         self.rewarm_from: int | None = None  # the step a weights-only checkpoint resumed at (`_load_weights_only`)
         self._checked_frozen = False
@@ -312,29 +316,66 @@ class Trainer(CheckpointMixin):
     # Training
 
     def train(self, callbacks: Sequence[StepCallback] = ()) -> list[dict[str, float]]:
-        """Run (or resume) training up to ``total_steps``; returns the per-step metric history of this run."""
+        """Run (or resume) training up to ``total_steps``; returns the per-step metric history of this run.
+
+        At the end the main process prints what the run did (`summary`): steps and wall time of the whole run,
+        sessions it resumed from included, where the final checkpoint is, and the final held-out metrics (evaluated
+        at the last step when evaluation is on)."""
         acc, config = self.accelerator, self.config
         resume = self._find_resume_checkpoint()
         if resume is not None:
             self.load_checkpoint(resume)
+        first_step, earlier_seconds = self.step, self.train_seconds
         if config.report_to != "none":
             acc.init_trackers("dmtp", config={k: str(v) for k, v in config.to_dict().items()})
-        if config.eval_every and self.eval_dataset is not None and self.step == 0:
+        evaluates = bool(config.eval_every) and self.eval_dataset is not None
+        if evaluates and self.step == 0:
             acc.log({f"eval/{k}": v for k, v in self._evaluate_and_keep().items()}, step=0)
 
         bar = tqdm(total=self.total_steps, initial=self.step, desc="train", disable=not acc.is_main_process)
-        start = run_start = time.perf_counter()
         with GracefulStop() as stop:
-            self._loop(callbacks, bar, stop, start)
+            self._loop(callbacks, bar, stop, time.perf_counter())
         bar.close()
+        if evaluates and (self.last_eval or {}).get("step") != self.step:  # the final weights' metrics, not older ones
+            start = time.perf_counter()
+            acc.log({f"eval/{k}": v for k, v in self._evaluate_and_keep().items()}, step=self.step)
+            self.train_seconds += time.perf_counter() - start
         if not config.save_every or self.step % config.save_every:
             self.save_checkpoint()
-        self.export(Path(config.output_dir) / "final")
+        exported = self.export(Path(config.output_dir) / "final")
         if acc.is_main_process:
-            elapsed = time.perf_counter() - run_start
-            print(f"trained {self.total_steps} steps on {acc.num_processes} process(es) in {elapsed:.1f}s")
+            print(self.summary(exported, self.step - first_step, self.train_seconds - earlier_seconds))
         self.end_run()
         return self.history
+
+    def summary(self, exported: dict[str, Path], session_steps: int, session_seconds: float) -> str:
+        """What the run did, in a few lines: steps and time of the whole run (earlier sessions included), the
+        exported checkpoint(s) and how to use them, and the last held-out evaluation (when one ran)."""
+        acc, config = self.accelerator, self.config
+        head = f"trained {self.step} steps on {acc.num_processes} process(es) in {_duration(self.train_seconds)}"
+        if self.sessions > 1:
+            done = f"steps {self.step - session_steps + 1}-{self.step}" if session_steps else "no steps left"
+            head += f" ({self.sessions} sessions; this one: {done} in {_duration(session_seconds)})"
+        lines = [head]
+        if "draft" in exported:
+            path = exported["draft"]
+            head_arg = ""  # a draft with a T1 slot decodes with the head it was trained with: say which
+            with_head = "mtp_head" in exported or config.mtp_init_from or config.mtp_retrofit
+            if with_head and self.draft.config.anchor_layout != "dflash":
+                head_dir = "<final MTP head>" if "mtp_head" in exported else repr(config.mtp_init_from or "HEAD_DIR")
+                head_arg = f", native_mtp=load_native_mtp(target, checkpoint={head_dir})"
+            lines.append(
+                f"final checkpoint: {path} (DMTPDraftModel.from_pretrained(path, target=target{head_arg}) loads it, "
+                f"`dmtp push {path} ORG/NAME` uploads it)"
+            )
+        if "mtp_head" in exported:
+            path = exported["mtp_head"]
+            lines.append(
+                f"final MTP head: {path} (load_native_mtp(target, checkpoint=path) loads it; eval/bench: --mtp-head)"
+            )
+        if self.last_eval is not None:
+            lines.append(f"final eval (step {self.last_eval.get('step')}): {_metrics_text(self.last_eval)}")
+        return "\n".join(lines)
 
     def _loop(self, callbacks: Sequence[StepCallback], bar, stop: GracefulStop, start: float) -> None:
         """Steps up to ``total_steps``: log, evaluate, checkpoint; on SIGINT/SIGTERM save and stop."""
@@ -448,6 +489,7 @@ class Trainer(CheckpointMixin):
             "global_batch_size": self.schedule.global_batch_size,
             "train_samples": len(self.train_dataset),
             "train_seconds": self.train_seconds,
+            "sessions": self.sessions,
             "init_from": config.init_from,
             "train_mtp_head": config.train_mtp_head,
             "mtp_init_from": config.mtp_init_from,
@@ -459,6 +501,31 @@ class Trainer(CheckpointMixin):
             "last_eval": self.last_eval,
             "config": config.to_dict(),
         }
+
+
+def _duration(seconds: float) -> str:
+    """``42.0s``, ``12m05s`` or ``3h07m``: a run's wall time as people read it."""
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes}m{secs:02d}s" if minutes < 60 else f"{minutes // 60}h{minutes % 60:02d}m"
+
+
+def _metrics_text(metrics: dict[str, Any]) -> str:
+    """Held-out metrics on one line: the draft's loss, per-slot accuracy and simulated acceptance length (real T1,
+    then teacher-forced), and the head's loss and first-candidate accuracy."""
+    parts = []
+    if "loss" in metrics:
+        accuracy = "/".join(f"{v:.2f}" for k, v in metrics.items() if k.startswith("acc_"))
+        parts += [
+            f"loss {metrics['loss']:.4f}",
+            f"acc {accuracy}",
+            f"accept_len {metrics['accept_len']:.2f}",
+            f"accept_len_tf {metrics['accept_len_tf']:.2f}",
+        ]
+    if "mtp_loss" in metrics:
+        parts += [f"mtp_loss {metrics['mtp_loss']:.4f}", f"mtp_acc {metrics['mtp_acc']:.3f}"]
+    return ", ".join(parts)
 
 
 def _postfix(metrics: dict[str, float]) -> dict[str, str]:
@@ -496,9 +563,79 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.snapshot:
         print(weights_only_checkpoint(config.output_dir, args.snapshot))
         return 0
-    try:
-        Trainer(config).train()
-    except TrainingInterrupted as stopped:
-        print(stopped, file=sys.stderr)
-        return stopped.exit_code
+    with _terminal_interrupts_to_this_process():
+        trainer = Trainer(config)
+        try:
+            trainer.train()
+        except TrainingInterrupted as stopped:
+            if trainer.accelerator.is_main_process:  # one line, not one per process
+                print(stopped, file=sys.stderr)
+            # Ctrl-C asked for exactly this (saved, resumable): a success, so that `accelerate launch`, which raises
+            # on a non-zero exit of its child, ends quietly too. A scheduler's SIGTERM stays a failure (143).
+            return 0 if stopped.signal_name == "SIGINT" else stopped.exit_code
     return 0
+
+
+# Set by accelerate's simple launcher (`accelerate launch --num_processes 1`, no torchrun) in its child's environment.
+_SIMPLE_LAUNCHER_ENV = "ACCELERATE_USE_CPU"
+# Set when the processes come from torchrun or MPI: several ranks, whose launcher forwards signals itself.
+_MULTI_PROCESS_ENV = ("LOCAL_RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+@contextlib.contextmanager
+def _terminal_interrupts_to_this_process() -> Iterator[None]:
+    """Under ``accelerate launch`` with one process, in a terminal: Ctrl-C reaches this process only.
+
+    A terminal sends Ctrl-C's SIGINT to its whole foreground process group, the launcher included. accelerate's
+    simple launcher waits for its child in ``Popen.wait`` under Python's default handler: it raised
+    ``KeyboardInterrupt`` at once (a traceback, exit status 130) while this process was still saving its checkpoint,
+    and no launch flag changes that. So, as a shell does for a job, this process moves to a process group of its own
+    and makes it the terminal's foreground group for the run; Ctrl-C then stops training alone (checkpoint saved,
+    exit 0), and the launcher, still waiting, exits 0 without a word. The terminal goes back to the launcher's group
+    on the way out (if this process dies first, the shell takes it back when the launcher ends). Ctrl-Z is ignored
+    meanwhile: it would stop this group only, which the shell does not watch, leaving the terminal to a stopped job.
+    Anywhere else (no terminal, a background job, torchrun or MPI ranks, plain ``python``) nothing changes.
+    """
+    terminal = 0  # stdin: the launcher's child inherits it
+    applies = (
+        _SIMPLE_LAUNCHER_ENV in os.environ
+        and not any(name in os.environ for name in _MULTI_PROCESS_ENV)
+        and hasattr(os, "tcsetpgrp")  # POSIX job control
+        and threading.current_thread() is threading.main_thread()  # signal handlers
+    )
+    try:
+        launcher_group = os.getpgrp() if applies else None
+        applies = applies and (
+            os.isatty(terminal)
+            and os.tcgetpgrp(terminal) == launcher_group  # a foreground job
+            and os.getpgid(os.getppid()) == launcher_group  # the launcher shares the group (and would get Ctrl-C)
+            and launcher_group != os.getpid()
+        )
+    except OSError:
+        applies = False
+    if not applies:
+        yield
+        return
+    previous_stop = signal.signal(signal.SIGTSTP, signal.SIG_IGN)
+    try:
+        os.setpgid(0, 0)
+        _give_terminal_to(terminal, os.getpgrp())
+    except OSError:  # left as it was: Ctrl-C reaches both, as without this
+        with contextlib.suppress(OSError):
+            os.setpgid(0, launcher_group)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            _give_terminal_to(terminal, launcher_group)
+            os.setpgid(0, launcher_group)
+        signal.signal(signal.SIGTSTP, previous_stop)
+
+
+def _give_terminal_to(terminal: int, group: int) -> None:
+    """``tcsetpgrp`` from a process that may be in a background group (SIGTTOU would stop it: blocked meanwhile)."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTTOU})
+    try:
+        os.tcsetpgrp(terminal, group)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
