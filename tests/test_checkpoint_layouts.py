@@ -60,7 +60,9 @@ def test_zlab_dflash_checkpoint_decodes_as_dflash_with_its_block_by_default(tmp_
     assert (draft.config.anchor_layout, draft.config.fusion, draft.config.num_candidates) == ("dflash", "none", 15)
     assert_decodes_as_plain_generate(target, draft, num_candidates=15, strategy="dflash")
     assert DMTPDraftModel.from_pretrained(tmp_path, num_candidates=7).config.num_candidates == 7
-    dmtp = DMTPDraftModel.from_pretrained(tmp_path, target=target, anchor_layout="dual")
+    with pytest.raises(ValueError, match=r"has no native MTP head.*load it without anchor_layout="):
+        DMTPDraftModel.from_pretrained(tmp_path, target=target, anchor_layout="dual")  # refused at load
+    dmtp = DMTPDraftModel.from_pretrained(tmp_path, anchor_layout="dual").bind(target)  # bound by hand: at generate
     assert (dmtp.config.anchor_layout, dmtp.config.fusion) == ("dual", "residual") and dmtp.fusion.is_noop()
     with pytest.raises(RuntimeError, match="anchor_layout='dflash' to decode it as DFlash"):
         target.generate(torch.tensor([[5, 17, 42]]), assistant_model=dmtp, do_sample=False, max_new_tokens=4)

@@ -174,7 +174,8 @@ def test_the_demo_reports_medians_on_prompts_where_drafters_differ(capsys):
 
     assert run_demo(max_new_tokens=16) == 0  # every method lossless
     printed = capsys.readouterr().out
-    assert "9.6M-parameter" in printed and "make demo-smollm2" in printed
-    assert f"median of {REPEATS} runs" in printed and REPEATS >= 3
+    assert "Qwen3.5-architecture" in printed and "make demo-smollm2" in printed
+    assert f"median of {REPEATS} interleaved runs" in printed and REPEATS >= 3
     rows = [line.split() for line in printed.splitlines() if line.startswith(("DMTP", "DFlash", "native"))]
-    assert len(rows) == 3 and len({row[-6] for row in rows}) > 1  # the tokens/round of the methods differ
+    assert len(rows) == 4 and len({row[-6] for row in rows}) > 1  # the tokens/round of the methods differ
+    assert any(line.startswith('DMTP "auto"') for line in printed.splitlines())  # auto next to full width

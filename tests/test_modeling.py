@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoModel
 from dmtp_hf import DMTPConfig, DMTPDraftModel
 from dmtp_hf.modeling import dflash_visibility
 from dmtp_hf.modeling.attention_masks import attention_mask_for_implementation
+from dmtp_hf.modeling.native_mtp.retrofit import new_mtp_head
 
 # ----------------------------------------------------------------------------------------------------
 # A DFlash checkpoint written by hand in the z-lab / SpecForge layout
@@ -172,7 +173,7 @@ def test_save_pretrained_round_trip_is_exact(tmp_path, target, layout, fusion):
     draft.save_pretrained(tmp_path)
     files = sorted(p.name for p in tmp_path.iterdir())
     assert files == ["config.json", "model.safetensors"]
-    loaded = DMTPDraftModel.from_pretrained(tmp_path, target=target)
+    loaded = DMTPDraftModel.from_pretrained(tmp_path, target=target, native_mtp=new_mtp_head(target))  # Qwen3: no head
     drop = {"_name_or_path"}
     assert {k: v for k, v in loaded.config.to_dict().items() if k not in drop} == {
         k: v for k, v in draft.config.to_dict().items() if k not in drop
