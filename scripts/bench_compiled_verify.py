@@ -28,7 +28,7 @@ from transformers.cache_utils import DynamicCache, StaticCache
 from dmtp_hf import DMTPDraftModel
 from dmtp_hf.assistant.generate import compiled_verify_config
 from dmtp_hf.assistant.generate import generate as dmtp_generate
-from dmtp_hf.assistant.target_cache import crop_attention
+from dmtp_hf.assistant.target.cache import crop_attention
 
 BUNDLED = Path(__file__).resolve().parents[1] / "src" / "dmtp_hf" / "bundled" / "models"
 PROMPTS = [

@@ -24,7 +24,7 @@ from transformers.cache_utils import DynamicCache
 
 from dmtp_hf import DMTPConfig, DMTPDraftModel
 from dmtp_hf.assistant import DFlashDrafter, DMTPDrafter, MTPDrafter, Proposal, SpecStats, speculative_decode
-from dmtp_hf.assistant.drafters import DrafterWrapper
+from dmtp_hf.assistant.drafters.base import DrafterWrapper
 
 STAGE_ROWS = [
     ("mtp", "MTP advance"),

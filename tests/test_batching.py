@@ -8,7 +8,7 @@ import torch
 from conftest import draft_for
 
 from dmtp_hf.assistant import DFlashDrafter, DMTPDrafter, Drafter, MTPDrafter, Proposal, SpecStats, speculative_decode
-from dmtp_hf.assistant.drafters import DrafterWrapper
+from dmtp_hf.assistant.drafters.base import DrafterWrapper
 
 MAX_NEW = 16
 

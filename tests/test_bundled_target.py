@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dmtp_hf.assistant.drafter_state import MTPState
+from dmtp_hf.assistant.drafters.state import MTPState
 from dmtp_hf.bundled import NotBuiltError, default_paths
 from dmtp_hf.modeling.native_mtp import load_native_mtp
 

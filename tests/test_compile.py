@@ -89,8 +89,12 @@ def test_compile_settings_and_refusals(targets):
 
     from dmtp_hf.assistant.decoding import target_cache
 
-    with pytest.raises(ValueError, match="static cache"):
-        target_cache(target, DynamicCache(config=target.config), 1, 32, 7, TRACE_ONLY)
+    # a compiled verify needs fixed shapes: an empty growing cache is replaced, one holding a conversation refused
+    assert isinstance(target_cache(target, DynamicCache(config=target.config), 1, 32, 7, TRACE_ONLY), StaticCache)
+    held = DynamicCache(config=target.config)
+    target(input_ids=torch.tensor([[5, 17, 42, 9]]), cache=held, use_cache=True)
+    with pytest.raises(ValueError, match="needs a static cache"):
+        target_cache(target, held, 1, 32, 7, TRACE_ONLY)
     assert isinstance(target_cache(target, None, 1, 32, 7, TRACE_ONLY), StaticCache)
     draft = draft_for(target)
     batch = torch.tensor([[5, 17, 42, 9], [1, 5, 17, 42]])

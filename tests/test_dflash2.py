@@ -15,7 +15,8 @@ from test_lossless import TEMPERATURE, chi_square_p, exact_distribution, sample_
 
 from dmtp_hf import DMTPDraftModel
 from dmtp_hf.assistant import speculative_decode
-from dmtp_hf.assistant.drafters import DFlashDrafter, DMTPDrafter
+from dmtp_hf.assistant.drafters.dflash import DFlashDrafter
+from dmtp_hf.assistant.drafters.dmtp import DMTPDrafter
 
 SELECTOR = {"conv_kernel_size": 2, "conv_group_size": 8, "selector_rank": 8, "selector_top_k": 4}
 

@@ -9,7 +9,10 @@ from conftest import draft_for
 from transformers.cache_utils import DynamicCache, LinearAttentionCacheLayerMixin
 
 from dmtp_hf.assistant import SpecStats, speculative_decode
-from dmtp_hf.assistant.drafters import DFlashDrafter, DMTPDrafter, Drafter, DrafterWrapper, MTPDrafter, Proposal
+from dmtp_hf.assistant.drafters.base import Drafter, DrafterWrapper, Proposal
+from dmtp_hf.assistant.drafters.dflash import DFlashDrafter
+from dmtp_hf.assistant.drafters.dmtp import DMTPDrafter
+from dmtp_hf.assistant.drafters.mtp import MTPDrafter
 from dmtp_hf.assistant.generate import generate as dmtp_generate
 from dmtp_hf.assistant.widths import FixedWidth
 from dmtp_hf_assets.tiny_targets import FAMILIES, load_tiny_target, make_tiny_target
@@ -429,10 +432,15 @@ def test_static_cache_path_matches_dynamic_path(targets, family):
         cache_implementation="static",
     )
     assert torch.equal(out, reference)
-    with pytest.raises(ValueError, match="static cache holds"):
-        speculative_decode(
-            target, prompt, drafter, max_length=40, cache=StaticCache(config=target.config, max_cache_len=20)
-        )
+    # an empty static cache too small for a verify past max_length is replaced; one holding a conversation is refused
+    out, _ = speculative_decode(
+        target, prompt, drafter, max_length=40, cache=StaticCache(config=target.config, max_cache_len=20)
+    )
+    assert torch.equal(out, greedy_reference(target, prompt, max_new_tokens=40 - prompt.shape[1]))
+    held = StaticCache(config=target.config, max_cache_len=20)
+    target(input_ids=prompt, cache=held, use_cache=True)
+    with pytest.raises(ValueError, match="holds a conversation in 20 slots"):
+        speculative_decode(target, torch.cat([prompt, prompt], dim=1), drafter, max_length=40, cache=held)
 
 
 def test_sliding_window_target_rolls_back():

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dmtp_hf import DMTPConfig
-from dmtp_hf.assistant.drafters import Drafter, Proposal
+from dmtp_hf.assistant.drafters.base import Drafter, Proposal
 from dmtp_hf.cli import main
 from dmtp_hf.evaluation import (
     BUNDLED_SETS,

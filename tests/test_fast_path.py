@@ -8,9 +8,12 @@ from conftest import draft_for
 from test_engine import OracleMix, greedy_reference
 
 from dmtp_hf.assistant import speculative_decode
-from dmtp_hf.assistant.cuda_graphs import CUDAGraphCall
-from dmtp_hf.assistant.drafter_state import FAR, SlotKV
-from dmtp_hf.assistant.drafters import DFlashDrafter, DMTPDrafter, DrafterWrapper, MTPDrafter
+from dmtp_hf.assistant.drafters.base import DrafterWrapper
+from dmtp_hf.assistant.drafters.cuda_graphs import CUDAGraphCall
+from dmtp_hf.assistant.drafters.dflash import DFlashDrafter
+from dmtp_hf.assistant.drafters.dmtp import DMTPDrafter
+from dmtp_hf.assistant.drafters.mtp import MTPDrafter
+from dmtp_hf.assistant.drafters.state import FAR, SlotKV
 from dmtp_hf_assets.tiny_targets import FAMILIES
 
 MAX_NEW = 24

@@ -417,7 +417,7 @@ def test_prefix_free_processors_never_read_input_ids():
         TypicalLogitsWarper,
     )  # fmt: skip
 
-    from dmtp_hf.assistant.processing import _PREFIX_FREE, process_flat, reads_input_ids
+    from dmtp_hf.assistant.accept.processing import _PREFIX_FREE, process_flat, reads_input_ids
 
     free = [
         TemperatureLogitsWarper(0.7), TopKLogitsWarper(5), TopPLogitsWarper(0.8), MinPLogitsWarper(0.1),

@@ -11,7 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import dmtp_hf.modeling.native_mtp.loading as loading
-from dmtp_hf.assistant.drafter_state import MTPState
+from dmtp_hf.assistant.drafters.state import MTPState
 from dmtp_hf.modeling.native_mtp import (
     MissingMTPTensorsError,
     MTPLayout,

@@ -24,7 +24,7 @@ from dmtp_hf.evaluation.models import eos_token_ids, load_target, load_tokenizer
 from dmtp_hf.modeling.native_mtp import load_native_mtp, new_mtp_head, save_mtp_head
 
 pytest.importorskip("gguf")
-from dmtp_hf_assets.tiny_gguf import TINY_GGUF_CHAT_TEMPLATE, make_tiny_llama_gguf  # noqa: E402
+from dmtp_hf_assets.tiny_gguf import TINY_GGUF_CHAT_TEMPLATE, make_tiny_llama_gguf
 
 GGUF_NAME = "tiny-smollm2.gguf"
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]

@@ -21,7 +21,8 @@ from test_lossless import CUT_PROCESSORS, chi_square_p, exact_distribution
 from dmtp_hf import DMTPDraftModel
 from dmtp_hf.assistant import SpecStats, speculative_decode
 from dmtp_hf.assistant import widths as widths_module
-from dmtp_hf.assistant.drafters import DMTPDrafter, MTPDrafter
+from dmtp_hf.assistant.drafters.dmtp import DMTPDrafter
+from dmtp_hf.assistant.drafters.mtp import MTPDrafter
 from dmtp_hf.assistant.widths import AutoWidth, Calibration, CostModel, width_policy
 from dmtp_hf.cli import main
 from dmtp_hf.evaluation.calibration import reliability, split_pairs
@@ -194,7 +195,7 @@ def test_probes_lose_at_most_the_exploration_share_and_their_schedule_outlives_t
 def test_rounds_where_drafting_does_not_pay_run_no_drafter_stage(targets, monkeypatch):
     """A weak draft under ``auto``: most rounds are plain decoding steps that run neither the MTP head's prediction
     nor the DFlash forward (only the state is kept), the output still the plain one."""
-    from dmtp_hf.assistant.drafter_state import MTPState
+    from dmtp_hf.assistant.drafters.state import MTPState
 
     target = targets["qwen3_5"]
     draft = draft_for(target)

@@ -15,11 +15,11 @@ import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..modeling.native_mtp.hidden import TargetHiddenExtractor
-from .drafters import Drafter
+from .accept.processing import TokenSelector
+from .drafters.base import Drafter
 from .generate import ROUTER_ORIGINAL
-from .processing import TokenSelector
 from .stats import SpecStats
-from .target_step import TargetStep
+from .target.step import TargetStep
 
 
 class DMTPCandidateGenerator(CandidateGenerator):

@@ -29,15 +29,15 @@ from transformers import CompileConfig, LogitsProcessorList, StoppingCriteriaLis
 from transformers.cache_utils import Cache, DynamicCache
 
 from ..modeling.native_mtp.hidden import TargetHiddenExtractor
-from .batch import Accepted, ActiveBatch, RoundHost, StepOutputs
-from .drafters import Drafter
-from .linear_attention import has_gated_delta_net, verify_kernel_kwargs
-from .processing import RowProcessors, TokenSelector
+from .accept.batch import Accepted, ActiveBatch, RoundHost, StepOutputs
+from .accept.processing import RowProcessors, TokenSelector
+from .accept.stopping import RowStopping
+from .accept.verification import VERIFY_MODES, process_logits, select_tokens, verify
+from .drafters.base import Drafter
 from .stats import RequestStats, SpecStats
-from .stopping import RowStopping
-from .target_cache import TargetCacheState, new_static_cache, static_capacity
-from .target_step import TargetStep
-from .verification import VERIFY_MODES, process_logits, select_tokens, verify
+from .target.cache import TargetCacheState, new_static_cache, static_capacity
+from .target.linear_attention import has_gated_delta_net, verify_kernel_kwargs
+from .target.step import TargetStep
 from .widths import check_verify_length, width_policy
 
 SAMPLED_DRAFTS = ("rejection", "block")  # verification modes that need the distribution each candidate came from
@@ -221,24 +221,36 @@ def check_inputs(
 def target_cache(
     target, cache: Cache | None, batch_size: int, max_length: int, num_candidates: int, compile_config=None
 ) -> Cache:
-    """The target's cache for the call (a new ``DynamicCache`` by default; a ``StaticCache`` for a compiled verify,
-    whose shapes must not grow). Static caches: batch size 1 and room for one verify past ``max_length``."""
-    if cache is None and compile_config is not None:
-        cache = new_static_cache(target, max_length + num_candidates + 1)
-    cache = cache if cache is not None else DynamicCache(config=target.config)
+    """The target's cache for the call, by one rule for every entry point.
+
+    None given: a ``DynamicCache``, or a ``StaticCache`` when the verify is compiled (its shapes must not grow).
+    A static cache needs room for one verify past ``max_length`` (``max_length + K + 1`` slots; Transformers sizes
+    the one it makes for ``max_length - 1``), and a compiled verify needs a static cache: an empty cache that
+    misses either is replaced by one that fits; one that already holds a conversation cannot be, and is refused.
+    Static caches serve batch size 1 (ragged rows would grow them without bound).
+    """
+    needed = max_length + num_candidates + 1
+    if cache is None:
+        return new_static_cache(target, needed) if compile_config is not None else DynamicCache(config=target.config)
     capacity = static_capacity(cache)
-    if compile_config is not None and capacity is None:
-        raise ValueError("A compiled verify needs a static cache (cache_implementation='static'), not a growing one.")
-    if capacity is None:
-        return cache
-    if batch_size > 1:
+    too_small = capacity is not None and capacity < needed
+    grows = compile_config is not None and capacity is None
+    if too_small or grows:
+        if cache.get_seq_length() > 0:
+            raise ValueError(
+                f"The static cache passed to generate holds a conversation in {capacity} slots, too few for "
+                f"speculative decoding up to max_length={max_length} ({needed} slots: a verify writes "
+                f"{num_candidates + 1} past the committed tokens). Start the conversation with a larger StaticCache, "
+                "or a DynamicCache."
+                if too_small
+                else "A compiled verify needs a static cache, but the cache passed to generate is a growing one "
+                "holding a conversation: continue it without dmtp_compile, or start it with a StaticCache."
+            )
+        cache = new_static_cache(target, needed)
+        capacity = static_capacity(cache)
+    if capacity is not None and batch_size > 1:
         raise NotImplementedError(
             "Static caches (and so a compiled verify) support batch size 1 (ragged rows grow the cache unboundedly)."
-        )
-    if capacity < max_length + num_candidates + 1:
-        raise ValueError(
-            f"The static cache holds {capacity} tokens, too few: speculative decoding up to max_length={max_length} "
-            f"with {num_candidates} candidates needs {max_length + num_candidates + 1} slots."
         )
     return cache
 

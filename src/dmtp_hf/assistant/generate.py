@@ -17,12 +17,15 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..modeling.modeling_dmtp import DMTPDraftModel
 from ..modeling.native_mtp.head import NativeMTPHead
-from .batch import StepOutputs
-from .decoding import speculative_decode
-from .drafters import DFlashDrafter, DMTPDrafter, Drafter, MTPDrafter
+from .accept.batch import StepOutputs
+from .decoding import speculative_decode, target_cache
+from .drafters.base import Drafter
+from .drafters.dflash import DFlashDrafter
+from .drafters.dmtp import DMTPDrafter
+from .drafters.mtp import MTPDrafter
 from .options import check_generate_options
 from .stats import SpecStats
-from .target_cache import new_static_cache, refill_in_plain_layout, static_capacity
+from .target.cache import refill_in_plain_layout
 
 ROUTER_ORIGINAL = "_dmtp_original_generate"  # where the router keeps a target's own `generate`
 
@@ -140,24 +143,15 @@ def dmtp_custom_generate(
     if dmtp_drafter is None:
         raise ValueError("dmtp_custom_generate needs `dmtp_drafter=` (see dmtp_hf.as_drafter).")
     check_generate_options(model, {**model_kwargs, "generation_config": generation_config})
-    cache = model_kwargs.get("cache") or model_kwargs.get("past_key_values")
-    capacity = static_capacity(cache) if cache is not None else None
-    needed = generation_config.max_length + dmtp_drafter.num_candidates + 1
     compile_config = compiled_verify_config(model, dmtp_compile, generation_config)
-    if (capacity is not None and capacity < needed) or (compile_config is not None and capacity is None):
-        # Transformers sized it for `max_length - 1`; a verify writes K + 1 slots past the committed tokens. A
-        # compiled verify needs fixed shapes: a static cache. A cache that holds a conversation cannot be replaced.
-        if cache is not None and cache.get_seq_length() > 0:
-            raise ValueError(
-                f"The cache passed to generate holds a conversation but has {capacity} slots, too few for speculative "
-                f"decoding up to max_length={generation_config.max_length} ({needed} slots: a verify writes "
-                f"{dmtp_drafter.num_candidates + 1} past the committed tokens). Start the conversation with a larger "
-                "StaticCache, or a DynamicCache."
-                if capacity is not None
-                else "A compiled verify needs a static cache, but the cache passed to generate is a growing one "
-                "holding a conversation: continue it without dmtp_compile, or start it with a StaticCache."
-            )
-        cache = new_static_cache(model, needed)
+    cache = target_cache(  # the cache the call runs on (and returns): the engine's one rule
+        model,
+        model_kwargs.get("cache") or model_kwargs.get("past_key_values"),
+        input_ids.shape[0],
+        generation_config.max_length,
+        dmtp_drafter.num_candidates,
+        compile_config,
+    )
     dict_out = generation_config.return_dict_in_generate
     outputs = None
     if dict_out and (generation_config.output_scores or generation_config.output_logits):

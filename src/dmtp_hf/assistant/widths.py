@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicCache
 
-from .linear_attention import has_gated_delta_net, verify_kernel_kwargs
+from .target.linear_attention import has_gated_delta_net, verify_kernel_kwargs
 
 __all__ = [
     "AllCandidates",

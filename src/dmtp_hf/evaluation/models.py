@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # torch and the engine load on use: the `dmtp` parser reads this module's defaults
     import torch
 
-    from ..assistant.drafters import Drafter
+    from ..assistant.drafters.base import Drafter
 
 MTP_STRATEGY = re.compile(r"^mtp(\d+)(?:@(?P<head>[\w.-]+))?$")
 DMTP_KINDS = ("dmtp", "dflash")

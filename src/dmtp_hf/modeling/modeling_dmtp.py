@@ -358,9 +358,9 @@ class DMTPDraftModel(DMTPPreTrainedModel):
         return torch.cat([embeds[:, :t1_slot], fused_t1[:, None], embeds[:, t1_slot + 1 :]], dim=1)
 
     def block_position_ids(self, anchor_positions: torch.Tensor) -> torch.Tensor:
-        """Absolute positions of the block slots, ``[B, block_length]``, given A's position ``[B]``."""
-        offsets = torch.arange(self.config.block_length, device=anchor_positions.device)
-        return anchor_positions[:, None] + self.config.block_offset + offsets
+        """Absolute positions of the block slots, ``[B, block_length]``, given A's position ``[B]``
+        (`block_slot_positions`)."""
+        return block_slot_positions(anchor_positions, self.config)
 
     def project_context(self, context_features: torch.Tensor) -> torch.Tensor:
         """``[B, C, k*H]`` concatenated target hidden states -> ``hidden_norm(fc(.))`` ``[B, C, H]``."""
@@ -504,6 +504,14 @@ class DMTPDraftModel(DMTPPreTrainedModel):
         save_dflash_checkpoint(dflash_state_dict(self), self.config.to_dflash_dict(), save_directory, **kwargs)
 
 
+def block_slot_positions(anchor_positions: torch.Tensor, config: DMTPConfig) -> torch.Tensor:
+    """The absolute position of every slot of a drafting block, ``[..., block_length]``, given the positions of the
+    blocks' anchors A ``[...]`` (any shape: one block per row at inference, ``[B, N]`` blocks in training) and the
+    layout's block (``single`` starts at A + 1, ``dflash``/``dual`` at A itself: ``config.block_offset``)."""
+    offsets = torch.arange(config.block_length, device=anchor_positions.device)
+    return anchor_positions[..., None] + config.block_offset + offsets
+
+
 def _require_bound_head(draft: DMTPDraftModel, target: nn.Module, path: str | os.PathLike) -> None:
     """Refuse, at load, a draft with a T1 slot bound to a target without an MTP head: the first round would fail."""
     config = draft.config
@@ -526,4 +534,4 @@ def _require_bound_head(draft: DMTPDraftModel, target: nn.Module, path: str | os
     )
 
 
-__all__ = ["DMTPDraftModel", "DMTPPreTrainedModel", "FirstCandidateFusion"]
+__all__ = ["DMTPDraftModel", "DMTPPreTrainedModel", "FirstCandidateFusion", "block_slot_positions"]

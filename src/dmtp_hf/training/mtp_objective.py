@@ -20,19 +20,29 @@ the head as it changes.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from ..modeling.draft_vocab import IGNORE_INDEX, to_draft_ids
+from ..modeling.modeling_dmtp import DMTPDraftModel
 from ..modeling.native_mtp.head import NativeMTPHead
 from .features import teacher_labels
-from .objective import DMTPTrainingObjective, ObjectiveOutput, metric_vector, metrics_from_vector
+from .objective import (
+    BlockPlan,
+    DMTPTrainingObjective,
+    ObjectiveOutput,
+    chunked_rows,
+    metric_vector,
+    metrics_from_vector,
+)
+from .protocol import TrainingObjective, unwrap_peft
 
-__all__ = ["JointObjective", "MTPHeadObjective", "MTPHeadOutput", "mtp_positions"]
+__all__ = ["JointObjective", "JointOutput", "MTPHeadObjective", "MTPHeadOutput", "mtp_positions"]
 
 
 def mtp_positions(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -74,8 +84,9 @@ def _chunk_losses(head: NativeMTPHead, g: torch.Tensor, labels: torch.Tensor, ta
     return ce, kl, (logits.argmax(-1) == labels).float()
 
 
-class MTPHeadObjective(nn.Module):
-    """The native MTP head plus its loss (see the module docstring), as one module for accelerate to wrap.
+class MTPHeadObjective(TrainingObjective):
+    """The native MTP head plus its loss (see the module docstring), as one module for accelerate to wrap (a
+    `TrainingObjective`).
 
     Args:
         head: the head to train (a `NativeMTPHead`, or a PEFT model wrapping one).
@@ -92,7 +103,15 @@ class MTPHeadObjective(nn.Module):
     @property
     def head(self) -> NativeMTPHead:
         """The underlying `NativeMTPHead` (inside a PEFT wrapper when LoRA is on)."""
-        return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        return unwrap_peft(self.model)
+
+    def trained_modules(self) -> dict[str, nn.Module]:
+        """The head (PEFT-wrapped when LoRA is on)."""
+        return {"mtp_head": self.model}
+
+    def loss_normalizers(self, inputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """``mtp_normalizer``: the micro-batch's supervised pairs (`mtp_positions`)."""
+        return {"mtp_normalizer": mtp_positions(inputs["loss_mask"]).sum().float()}
 
     def forward(
         self,
@@ -113,16 +132,10 @@ class MTPHeadObjective(nn.Module):
         label_ids = teacher_labels(input_ids, target_next)
         rows, labels = g[:, :-1][supervised], label_ids[:, 2:][supervised]  # [M, H], [M]
         target_rows = final_hidden[:, 1:-1][supervised] if final_hidden is not None and self.kl_weight else None
-        chunk = self.logits_chunk_size or max(rows.shape[0], 1)
-        ce, kl, correct = rows.new_zeros(0), rows.new_zeros(0), rows.new_zeros(0)
-        for start in range(0, rows.shape[0], chunk):
-            piece = (rows[start : start + chunk], labels[start : start + chunk])
-            target_piece = None if target_rows is None else target_rows[start : start + chunk]
-            if torch.is_grad_enabled() and self.logits_chunk_size:  # logits recomputed in backward: bounded memory
-                out = checkpoint(_chunk_losses, self.head, *piece, target_piece, self.kl_weight, use_reentrant=False)
-            else:
-                out = _chunk_losses(self.head, *piece, target_piece, self.kl_weight)
-            ce, kl, correct = (torch.cat([a, b]) for a, b in zip((ce, kl, correct), out, strict=True))
+        pieces = (rows, labels, target_rows)
+        ce, kl, correct = chunked_rows(
+            _chunk_losses, self.head, pieces, self.kl_weight, chunk_size=self.logits_chunk_size
+        )
         count = supervised.sum().float()
         normalizer = mtp_normalizer if mtp_normalizer is not None else count.clamp(min=1.0)
         loss = (ce.sum() + self.kl_weight * kl.sum()) / normalizer
@@ -130,12 +143,12 @@ class MTPHeadObjective(nn.Module):
         return MTPHeadOutput(loss, ce.sum().detach(), kl.sum().detach(), correct.sum(), count, g_full)
 
     @staticmethod
-    def metric_vector(outputs: list[MTPHeadOutput]) -> torch.Tensor:
+    def metric_vector(outputs: Sequence[MTPHeadOutput]) -> torch.Tensor:
         """Summed metric sums of micro-batch outputs (what ranks all-reduce)."""
         return torch.stack([o.metric_vector() for o in outputs]).sum(dim=0)
 
     @staticmethod
-    def empty_metric_vector(device) -> torch.Tensor:
+    def empty_metric_vector(device: torch.device | str) -> torch.Tensor:
         """Zeros shaped like `metric_vector` (a process without an eval batch)."""
         return torch.zeros(4, device=device)
 
@@ -148,8 +161,17 @@ class MTPHeadObjective(nn.Module):
         return {"mtp_loss": ce / count, "mtp_kl": kl / count, "mtp_acc": correct / count}
 
 
-class JointObjective(nn.Module):
-    """A DMTP draft and the native MTP head trained together (see the module docstring).
+@dataclass
+class JointOutput:
+    """One micro-batch of joint training: the summed ``loss`` (draft + weight x head) and each objective's output."""
+
+    loss: torch.Tensor
+    draft: ObjectiveOutput
+    head: MTPHeadOutput
+
+
+class JointObjective(TrainingObjective):
+    """A DMTP draft and the native MTP head trained together (see the module docstring), a `TrainingObjective`.
 
     ``loss = draft loss + mtp_loss_weight * head loss``; the draft's MTP features (``mtp_hidden``, ``mtp_token``)
     come from the head being trained.
@@ -162,7 +184,7 @@ class JointObjective(nn.Module):
         self.mtp_loss_weight = weight
 
     @property
-    def draft(self):
+    def draft(self) -> DMTPDraftModel:
         """The draft being trained."""
         return self.draft_objective.draft
 
@@ -171,39 +193,45 @@ class JointObjective(nn.Module):
         """The MTP head being trained."""
         return self.head_objective.head
 
+    def trained_modules(self) -> dict[str, nn.Module]:
+        """The draft and the head."""
+        return {**self.draft_objective.trained_modules(), **self.head_objective.trained_modules()}
+
+    def loss_normalizers(self, inputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """The draft's ``normalizer`` and the head's ``mtp_normalizer``."""
+        return {**self.draft_objective.loss_normalizers(inputs), **self.head_objective.loss_normalizers(inputs)}
+
     def forward(
         self,
-        input_ids,
-        plan,
-        context,
-        loss_mask,
-        head_hidden,
-        final_hidden=None,
-        normalizer=None,
-        mtp_normalizer=None,
-        target_next=None,
+        input_ids: torch.Tensor,
+        plan: BlockPlan,
+        context: torch.Tensor,
+        loss_mask: torch.Tensor,
+        head_hidden: torch.Tensor,
+        final_hidden: torch.Tensor | None = None,
+        normalizer: torch.Tensor | float | None = None,
+        mtp_normalizer: torch.Tensor | float | None = None,
+        target_next: torch.Tensor | None = None,
         **_: object,
-    ):
-        """Both losses on one micro-batch; returns ``(draft output, head output)`` with the summed ``loss``."""
+    ) -> JointOutput:
+        """Both losses on one micro-batch, the draft's fusion reading the live head's ``g``."""
         head_out = self.head_objective(input_ids, loss_mask, head_hidden, final_hidden, mtp_normalizer, target_next)
         with torch.no_grad():
             mtp_token = torch.cat([self.head.logits(c).argmax(-1) for c in head_out.g.split(256, dim=1)], dim=1)
         draft_out = self.draft_objective(input_ids, context, plan, head_out.g, mtp_token, normalizer)
-        draft_out.loss = draft_out.loss + self.mtp_loss_weight * head_out.loss
-        return draft_out, head_out
+        return JointOutput(draft_out.loss + self.mtp_loss_weight * head_out.loss, draft_out, head_out)
 
     @staticmethod
-    def metric_vector(outputs: list[tuple[ObjectiveOutput, MTPHeadOutput]]) -> torch.Tensor:
+    def metric_vector(outputs: Sequence[JointOutput]) -> torch.Tensor:
         """The draft's metric sums, then the head's."""
-        return torch.cat(
-            [metric_vector([d for d, _ in outputs]), MTPHeadObjective.metric_vector([h for _, h in outputs])]
-        )
+        draft = metric_vector([o.draft for o in outputs])
+        return torch.cat([draft, MTPHeadObjective.metric_vector([o.head for o in outputs])])
 
-    def empty_metric_vector(self, device) -> torch.Tensor:
+    def empty_metric_vector(self, device: torch.device | str) -> torch.Tensor:
         """Zeros shaped like `metric_vector`."""
-        config = self.draft.config
-        probe = config.block_length - config.first_predicted_slot
-        return torch.zeros(5 + 2 * probe + 4, device=device)
+        return torch.cat(
+            [self.draft_objective.empty_metric_vector(device), MTPHeadObjective.empty_metric_vector(device)]
+        )
 
     @staticmethod
     def metrics_from_vector(vector: torch.Tensor) -> dict[str, float]:

@@ -33,7 +33,9 @@ Shapes: ``B`` batch, ``S`` sequence, ``N`` blocks per sequence, ``L`` block leng
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +45,8 @@ from torch.utils.checkpoint import checkpoint
 from ..modeling.attention_masks import AttentionLayout, draft_attention_masks, layer_kinds
 from ..modeling.configuration_dmtp import DMTPConfig
 from ..modeling.draft_vocab import IGNORE_INDEX, draft_token_ids, to_draft_ids
-from ..modeling.modeling_dmtp import DMTPDraftModel
+from ..modeling.modeling_dmtp import DMTPDraftModel, block_slot_positions
+from .protocol import TrainingObjective, unwrap_peft
 
 __all__ = [
     "BlockPlan",
@@ -51,6 +54,7 @@ __all__ = [
     "ObjectiveOutput",
     "anchor_scores",
     "build_attention_masks",
+    "chunked_rows",
     "metric_vector",
     "metrics_from_vector",
     "plan_blocks",
@@ -159,9 +163,7 @@ def plan_blocks(
     valid_anchor = valid_anchor_mask(loss_mask, config.anchor_layout)
     anchors, keep = sample_anchors(valid_anchor, scores[:, :seq_len], num_anchors)
 
-    block_len, first = config.block_length, config.first_predicted_slot
-    slot_positions = anchors[..., None] + config.block_offset + torch.arange(block_len, device=anchors.device)
-    predicted = slot_positions[..., first:]  # [B, N, P]
+    predicted = block_slot_positions(anchors, config)[..., config.first_predicted_slot :]  # [B, N, P]
     in_range = predicted < seq_len
     flat = predicted.clamp(max=seq_len - 1).flatten(1)  # [B, N*P]
     labels = label_ids.gather(1, flat).view_as(predicted)
@@ -201,8 +203,7 @@ def build_attention_masks(
     config = draft.config
     bsz, num_blocks = anchors.shape
     block_len, device = config.block_length, anchors.device
-    slot = torch.arange(block_len, device=device)
-    query_positions = ((anchors + config.block_offset)[..., None] + slot).flatten(1)  # [B, Q]
+    query_positions = block_slot_positions(anchors, config).flatten(1)  # [B, Q]
     query_blocks = torch.arange(num_blocks, device=device).repeat_interleave(block_len).expand(bsz, -1)
     context_end = torch.where(keep, anchors, torch.zeros_like(anchors)).repeat_interleave(block_len, dim=1)
     context_positions = torch.arange(context_len, device=device).expand(bsz, -1)
@@ -234,8 +235,8 @@ class ObjectiveOutput:
     accept_blocks: torch.Tensor  # scalar: number of complete blocks
 
 
-class DMTPTrainingObjective(nn.Module):
-    """The draft plus the training objective, as one module for accelerate to wrap.
+class DMTPTrainingObjective(TrainingObjective):
+    """The draft plus the training objective, as one module for accelerate to wrap (a `TrainingObjective`).
 
     Args:
         draft: a bound `DMTPDraftModel`, or a PEFT model wrapping one (LoRA layers are injected in place, so the
@@ -265,10 +266,18 @@ class DMTPTrainingObjective(nn.Module):
     @property
     def draft(self) -> DMTPDraftModel:
         """The underlying `DMTPDraftModel` (inside a PEFT wrapper when LoRA is on)."""
-        return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        return unwrap_peft(self.model)
+
+    def trained_modules(self) -> dict[str, nn.Module]:
+        """The draft (PEFT-wrapped when LoRA is on)."""
+        return {"draft": self.model}
+
+    def loss_normalizers(self, inputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """``normalizer``: the slot weights of the micro-batch's blocks (`BlockPlan.weight_sum`)."""
+        return {"normalizer": inputs["plan"].weight_sum}
 
     @staticmethod
-    def metric_vector(outputs: list[ObjectiveOutput]) -> torch.Tensor:
+    def metric_vector(outputs: Sequence[ObjectiveOutput]) -> torch.Tensor:
         """Summed metric sums of micro-batch outputs (what ranks all-reduce)."""
         return metric_vector(outputs)
 
@@ -310,9 +319,9 @@ class DMTPTrainingObjective(nn.Module):
         slots = draft.block_embeddings(anchor_ids.flatten(), t1_ids.flatten(), predicting)  # [B*N, L, H]
         slots = slots.view(bsz, num_blocks * block_len, -1)
 
-        block_positions = anchors[..., None] + config.block_offset + torch.arange(block_len, device=anchors.device)
         context_positions = torch.arange(seq_len, device=anchors.device).expand(bsz, -1)
-        position_ids = torch.cat([context_positions, block_positions.flatten(1)], dim=1)  # [B, S + N*L]
+        block_positions = block_slot_positions(anchors, config).flatten(1)
+        position_ids = torch.cat([context_positions, block_positions], dim=1)  # [B, S + N*L]
         masks = build_attention_masks(draft, anchors, plan.keep, seq_len, dtype=slots.dtype)
 
         hidden = draft(slots, context, position_ids, attention_mask=masks).last_hidden_state
@@ -374,27 +383,39 @@ def supervised_cross_entropy(
     selector_weight: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row loss ``[M]`` and prediction ``[M]`` of ``hidden`` ``[M, H]`` through the draft's LM head (and, for
-    DFlash2, its candidate selector after ``predecessors`` ``[M]``: `_cross_entropy_rows`).
-
-    With ``chunk_size``, rows go through the LM head ``chunk_size`` at a time and each chunk's logits are recomputed
-    in the backward pass (activation checkpointing), so at most ``[chunk_size, V]`` logits exist at once: at a
-    150k vocabulary and 512 anchors x 7 slots the unchunked ``[M, V]`` float logits alone take gigabytes.
-    """
+    DFlash2, its candidate selector after ``predecessors`` ``[M]``: `_cross_entropy_rows`), ``chunk_size`` rows at
+    a time, checkpointed (`chunked_rows`)."""
     if predecessors is None:
         predecessors = torch.zeros_like(labels)
-    if not chunk_size or hidden.shape[0] <= chunk_size:
-        return _cross_entropy_rows(draft, hidden, labels, predecessors, selector_weight)
-    losses, predicted = [], []
-    for start in range(0, hidden.shape[0], chunk_size):
-        rows = slice(start, start + chunk_size)
-        args = (draft, hidden[rows], labels[rows], predecessors[rows], selector_weight)
-        if torch.is_grad_enabled() and hidden.requires_grad:
-            loss, argmax = checkpoint(_cross_entropy_rows, *args, use_reentrant=False)
+    rows = (hidden, labels, predecessors)
+    return chunked_rows(_cross_entropy_rows, draft, rows, selector_weight, chunk_size=chunk_size)
+
+
+def chunked_rows(
+    rows_fn: Callable[..., tuple[torch.Tensor, ...]],
+    model: nn.Module,
+    rows: Sequence[torch.Tensor | None],
+    *options: Any,
+    chunk_size: int | None,
+) -> tuple[torch.Tensor, ...]:
+    """``rows_fn(model, *rows, *options)``: per-row results ``[M]`` of row tensors ``[M, ...]`` (``None`` passes as
+    is) that go through an LM head, ``chunk_size`` rows at a time.
+
+    With gradients, each chunk is checkpointed: its ``[chunk_size, V]`` logits are recomputed in the backward pass
+    rather than kept, so at most one chunk's logits exist at once (at a 150k vocabulary and 512 anchors x 7 slots,
+    unchunked float logits alone take gigabytes). Without ``chunk_size`` every row goes through at once.
+    """
+    if not chunk_size:
+        return rows_fn(model, *rows, *options)
+    checkpointed = torch.is_grad_enabled() and rows[0].requires_grad
+    results = []
+    for start in range(0, max(rows[0].shape[0], 1), chunk_size):  # no rows: one empty chunk, empty results
+        piece = [None if r is None else r[start : start + chunk_size] for r in rows]
+        if checkpointed:
+            results.append(checkpoint(rows_fn, model, *piece, *options, use_reentrant=False))
         else:
-            loss, argmax = _cross_entropy_rows(*args)
-        losses.append(loss)
-        predicted.append(argmax)
-    return torch.cat(losses), torch.cat(predicted)
+            results.append(rows_fn(model, *piece, *options))
+    return tuple(torch.cat(parts) for parts in zip(*results, strict=True))
 
 
 def _acceptance(

@@ -22,13 +22,7 @@ from .layouts import (
     registered_mtp_layouts,
     resolve_mtp_layout,
 )
-from .loading import (
-    MissingMTPTensorsError,
-    NoNativeMTPError,
-    load_native_mtp,
-    load_target_checkpoint,
-    read_mtp_tensors,
-)
+from .loading import MissingMTPTensorsError, NoNativeMTPError, load_native_mtp, load_target_checkpoint, read_mtp_tensors
 from .retrofit import new_mtp_head
 
 __all__ = [

@@ -1,6 +1,8 @@
-"""Drafting strategies on one engine: ``dmtp`` (MTP T1 + DFlash T2..T7), ``dflash`` (7 DFlash proposals) and
-``mtp`` (native MTP chained k steps). They share every other line of the decoding loop, so comparisons between
-them differ only in how candidates are proposed.
+"""What every drafter shares: the interface the round drives (`Drafter`), its proposal (`Proposal`), the state
+and width policy of the three strategies (`StatefulDrafter`), and how a DFlash block's slots become candidates
+(`block_candidates`, DFlash2's `CandidateWalk`). The strategies themselves: ``dmtp.py`` (MTP T1 + DFlash T2..T7),
+``dflash.py`` (7 DFlash proposals), ``mtp.py`` (native MTP chained k steps). They share every other line of the
+decoding loop, so comparisons between them differ only in how candidates are proposed.
 
 A drafter sees the target only through :class:`TargetStep` (tokens, hidden states and context features of
 positions the target has just committed) and returns a :class:`Proposal` per round. Its state between rounds (the
@@ -15,16 +17,16 @@ from dataclasses import dataclass
 
 import torch
 
-from ..modeling.modeling_dmtp import DMTPDraftModel
-from ..modeling.native_mtp.head import NativeMTPHead
-from .drafter_state import DFlashContext, MTPState
-from .processing import TokenSelector
-from .stats import SpecStats
-from .target_step import TargetStep
-from .widths import AllCandidates, RoundWidth
+from ...modeling.modeling_dmtp import DMTPDraftModel
+from ..accept.processing import TokenSelector
+from ..stats import SpecStats
+from ..target.step import TargetStep
+from ..widths import AllCandidates, RoundWidth
+from .state import DFlashContext, MTPState
 
 
-def _stage(stats: SpecStats | None, name: str):
+def optional_stage(stats: SpecStats | None, name: str):
+    """``stats.stage(name)``, or nothing to time when the caller keeps no statistics."""
     return stats.stage(name) if stats is not None else contextlib.nullcontext()
 
 
@@ -165,7 +167,7 @@ class DrafterWrapper(Drafter):
         self.inner.width_policy = policy
 
 
-class _StatefulDrafter(Drafter):
+class StatefulDrafter(Drafter):
     """The drafter state of the strategies below (an MTP state, a DFlash context, or both) and the round's width
     policy (``width_policy``, set by the engine for ``verify_length``; `widths.AllCandidates` by default)."""
 
@@ -236,166 +238,3 @@ class _StatefulDrafter(Drafter):
             if state is not None:
                 state.select_rows(rows, rows_host)
         return True
-
-
-class DFlashDrafter(_StatefulDrafter):
-    """DFlash alone: block ``[A, MASK x K]``, all K candidates from one parallel forward."""
-
-    name = "dflash"
-    needs_features = True
-
-    def __init__(self, draft: DMTPDraftModel, *, fixed_shapes: bool = False, cuda_graphs: bool = True) -> None:
-        if draft.config.anchor_layout != "dflash":
-            raise ValueError(
-                "DFlashDrafter needs a draft with anchor_layout='dflash' "
-                f"(got {draft.config.anchor_layout!r}); load it with anchor_layout='dflash'."
-            )
-        super().__init__(fixed_shapes, cuda_graphs)
-        self.draft = draft
-        self.num_candidates = draft.config.num_candidates
-
-    def target_layer_ids(self) -> list[int]:
-        """The draft's feature layers."""
-        return list(self.draft.config.target_layer_ids)
-
-    def start(self, step: TargetStep) -> None:
-        """Fresh context holding the prompt features."""
-        self._check_capacity(step)
-        self.context = self._state(self.context, DFlashContext, self.draft)
-        self.context.start(step)
-
-    def stage_plan(self) -> list[list[str]]:
-        """A round at any width runs the one block forward."""
-        return [[]] + [["dflash"]] * self.num_candidates
-
-    def propose(self, anchor_ids, anchor_positions, select, stats) -> Proposal:
-        """``[A, MASK x K]`` -> K candidates from one parallel forward."""
-        if not self.widths.begin_round(anchor_ids.shape[0]):
-            return self._plain_round(anchor_ids)
-        with stats.stage("dflash"):
-            hidden, logits = self.context.block_outputs(self.draft.block_embeddings(anchor_ids), anchor_positions)
-            tokens, scores = block_candidates(self.draft, hidden, logits, anchor_ids, select)
-        return self._verified(tokens, scores)
-
-    def advance(self, step: TargetStep, stats: SpecStats | None = None) -> None:
-        """Queue the accepted positions' features."""
-        self.widths.learn(step.num_valid)
-        self.context.add(step)
-
-
-class MTPDrafter(_StatefulDrafter):
-    """Native MTP-k: the target's MTP head chained k times (k = 4 is the blog's MTP415)."""
-
-    needs_mtp_hidden = True
-
-    def __init__(
-        self, mtp_head: NativeMTPHead, num_steps: int = 1, *, fixed_shapes: bool = False, cuda_graphs: bool = True
-    ) -> None:
-        if num_steps < 1:
-            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
-        super().__init__(fixed_shapes, cuda_graphs)
-        self.head = mtp_head
-        self.hidden_input = mtp_head.hidden_input
-        self.num_candidates = num_steps
-        self.name = f"mtp{num_steps}"
-
-    def start(self, step: TargetStep) -> None:
-        """Start the MTP state over all prompt pairs."""
-        self._check_capacity(step)
-        self.mtp = self._state(self.mtp, MTPState, self.head)
-        with torch.no_grad():
-            self.mtp.start(step)
-
-    def stage_plan(self) -> list[list[str]]:
-        """A width-k round runs T1 and k - 1 chained steps."""
-        return [[]] + [["t1"] + ["mtp_step"] * (k - 1) for k in range(1, self.num_candidates + 1)]
-
-    def propose(self, anchor_ids, anchor_positions, select, stats) -> Proposal:
-        """Chain the MTP layer up to k times, while the width policy wants more; each step's token is selected
-        with the processors and the tokens before it."""
-        if not self.widths.begin_round(anchor_ids.shape[0]):
-            return self._plain_round(anchor_ids)
-        self._flush_mtp(stats)
-        chosen: list[torch.Tensor] = []  # [B] per step
-        scores: list[torch.Tensor] = []  # [B, V] per step
-
-        def select_step(logits: torch.Tensor) -> torch.Tensor:
-            token, score = select(logits[:, None], torch.stack(chosen, dim=1) if chosen else None)
-            chosen.append(token[:, 0])
-            scores.append(score[:, 0])
-            return token[:, 0]
-
-        def further(steps: int) -> bool:
-            return self.widths.draft_further(torch.stack(chosen, dim=1), torch.stack(scores, dim=1))
-
-        with torch.no_grad():
-            self.mtp.propose(self.num_candidates, select_step, further, stage=stats.stage)
-        return self._verified(torch.stack(chosen, dim=1), torch.stack(scores, dim=1))
-
-    def advance(self, step: TargetStep, stats: SpecStats | None = None) -> None:
-        """Queue the accepted pairs for the MTP state (fed at the next drafting round)."""
-        self.widths.learn(step.num_valid)
-        with _stage(stats, "mtp"), torch.no_grad():
-            self.mtp.advance(step)
-
-
-class DMTPDrafter(_StatefulDrafter):
-    """DMTP: the native MTP head proposes T1, the DFlash draft T2..T7 conditioned on T1 and its MTP hidden."""
-
-    name = "dmtp"
-    needs_features = True
-    needs_mtp_hidden = True
-
-    def __init__(
-        self, draft: DMTPDraftModel, mtp_head: NativeMTPHead, *, fixed_shapes: bool = False, cuda_graphs: bool = True
-    ) -> None:
-        if draft.config.anchor_layout == "dflash":
-            raise ValueError("DMTPDrafter needs anchor_layout 'single' or 'dual'; use DFlashDrafter for 'dflash'.")
-        super().__init__(fixed_shapes, cuda_graphs)
-        self.draft = draft
-        self.head = mtp_head
-        self.hidden_input = mtp_head.hidden_input
-        self.num_candidates = draft.config.num_candidates
-
-    def target_layer_ids(self) -> list[int]:
-        """The draft's feature layers."""
-        return list(self.draft.config.target_layer_ids)
-
-    def start(self, step: TargetStep) -> None:
-        """Start the MTP state over the prompt pairs and queue the prompt features for DFlash."""
-        self._check_capacity(step)
-        self.mtp = self._state(self.mtp, MTPState, self.head)
-        self.context = self._state(self.context, DFlashContext, self.draft)
-        self.context.start(step)
-        with torch.no_grad():
-            self.mtp.start(step)
-
-    def stage_plan(self) -> list[list[str]]:
-        """T1 alone, or T1 and the DFlash block behind it."""
-        return [[], ["t1"]] + [["t1", "dflash"]] * (self.num_candidates - 1)
-
-    def propose(self, anchor_ids, anchor_positions, select, stats) -> Proposal:
-        """T1 from the MTP head, fused into the block; one DFlash forward for T2..T7."""
-        if not self.widths.begin_round(anchor_ids.shape[0]):
-            return self._plain_round(anchor_ids)
-        self._flush_mtp(stats)  # the pairs of earlier rounds, outside T1's timing (paid whatever the width)
-        # 1. T1: the MTP head's token from g, the hidden state of the last committed pair (never one that saw T1)
-        with stats.stage("t1"):
-            t1_logits, mtp_hidden = self.mtp.predict()  # [B, V], [B, H]: the MTP hidden that predicted T1
-            t1, t1_scores = select(t1_logits[:, None])  # [B, 1], [B, 1, V]
-        if not self.widths.draft_further(t1, t1_scores):  # T1 alone is this round's best bet: no DFlash forward
-            return self._verified(t1, t1_scores)
-        with stats.stage("dflash"):
-            # 2. Fuse: the block [A, T1 + fusion(T1, mtp_hidden), MASK x 6]
-            block = self.draft.block_embeddings(anchor_ids, t1[:, 0], mtp_hidden)
-            # 3. Block: one parallel forward over it, conditioned on the target's context features -> T2..T7
-            hidden, logits = self.context.block_outputs(block, anchor_positions)
-            rest, rest_scores = block_candidates(self.draft, hidden, logits, t1[:, 0], select, t1)
-        return self._verified(torch.cat([t1, rest], dim=1), torch.cat([t1_scores, rest_scores], dim=1))
-
-    def advance(self, step: TargetStep, stats: SpecStats | None = None) -> None:
-        """Commit accepted pairs to the MTP state (its next ``g`` predicts the next T1); queue DFlash context."""
-        self.widths.learn(step.num_valid)
-        self.context.add(step)
-        with _stage(stats, "mtp"), torch.no_grad():
-            self.mtp.advance(step)

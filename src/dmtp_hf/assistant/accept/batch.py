@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .target_step import TargetStep
+from ..target.step import TargetStep
 
 INITIAL_COLUMNS = 256  # generated tokens held per row before the buffers first grow (then they double)
 # A budget no call reaches (2**62 tokens), so that ``max_new_tokens`` as large as Python allows fits a long tensor.

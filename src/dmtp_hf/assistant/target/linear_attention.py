@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
-from ..modeling.native_mtp.hidden import on_thread
+from ...modeling.native_mtp.hidden import on_thread
 
 # Up to this many verify tokens the state is rebuilt with the recurrent kernel, beyond with the chunked one (measured
 # crossover on CPU: 16 tokens, where both cost the same).

@@ -25,11 +25,11 @@ from dataclasses import replace
 
 import torch
 
-from ..modeling.attention_masks import FAR, AttentionLayout, draft_attention_masks, layer_kinds
-from ..modeling.modeling_dmtp import DMTPDraftModel
-from ..modeling.native_mtp.head import NativeMTPHead
+from ...modeling.attention_masks import FAR, AttentionLayout, draft_attention_masks, layer_kinds
+from ...modeling.modeling_dmtp import DMTPDraftModel
+from ...modeling.native_mtp.head import NativeMTPHead
+from ..target.step import TargetStep
 from .cuda_graphs import CUDAGraphCall
-from .target_step import TargetStep
 
 Select = Callable[[torch.Tensor], torch.Tensor]  # logits [B, V] -> tokens [B]
 INITIAL_CAPACITY = 256  # slots per row before the first growth (without fixed shapes)

@@ -26,7 +26,7 @@ from transformers.cache_utils import (
     StaticLayer,
 )
 
-from ..modeling.attention_masks import attention_mask_for_implementation
+from ...modeling.attention_masks import attention_mask_for_implementation
 from .linear_attention import GatedDeltaRollback
 
 ROLLBACKS = ("rebuild", "replay")
