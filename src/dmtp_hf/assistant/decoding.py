@@ -1,15 +1,15 @@
 """The speculative decoding loop: prefill, then rounds of draft -> verify -> accept -> commit (docs/design.md §2).
 
-Read top to bottom, :func:`speculative_decode` is one round of DMTP (or of any drafter in ``drafters.py``) for a
+Read top to bottom, :func:`speculative_decode` is one round of DMTP (or of any drafter in ``drafters/``) for a
 batch of rows:
 
 1. **Draft.** The drafter proposes K candidates per row after the committed tokens, whose last token A the target
    has not processed yet (DMTP: T1 from the cached MTP hidden -> fusion -> one DFlash forward for T2..T7).
 2. **Verify.** One target forward over ``[A, T1..TK]`` at each row's positions ``a .. a+K``, returning logits, the
    DFlash context features and the hidden the MTP head reads.
-3. **Accept.** Greedy / match / rejection (``verification.py``): ``n`` accepted candidates plus one bonus token
+3. **Accept.** Greedy / match / rejection / block (``accept/verification.py``): ``n`` accepted candidates plus one bonus token
    per row, clipped at EOS, at stopping criteria and at the row's token budget.
-4. **Commit** the tokens, then the target cache to ``a + n`` per row (``target_cache.py``: masks for ragged
+4. **Commit** the tokens, then the target cache to ``a + n`` per row (``target/cache.py``: masks for ragged
    attention KV; linear-attention states rebuilt per row).
 5. **Advance** the drafter with the committed positions; the MTP head's next output predicts the next T1.
 

@@ -57,7 +57,7 @@ def as_drafter(
 
     ``strategy`` overrides the default for a draft model: ``"dmtp"`` (layout ``single``/``dual``), ``"dflash"``
     (layout ``dflash``) or ``"mtp"`` (its bound native MTP head alone, chained ``mtp_steps`` times).
-    ``fast_path`` runs the drafter state at fixed shapes (``drafter_state.py``) and, on CUDA with ``cuda_graphs``,
+    ``fast_path`` runs the drafter state at fixed shapes (``drafters/state.py``) and, on CUDA with ``cuda_graphs``,
     replays the fixed-shape stages as CUDA graphs; the tokens are the same.
     Returns ``None`` for anything else (so the router leaves the call to Transformers).
     """
@@ -225,7 +225,7 @@ def generate(
 
     Equivalent to ``target.generate(input_ids, assistant_model=assistant, **generate_kwargs)`` on a bound target,
     with the drafting ``strategy`` ("dmtp", "dflash", "mtp") and ``verify_mode`` ("greedy", "match",
-    "rejection") made explicit; ``fast_path=True`` runs the drafters at fixed shapes (CUDA graphs on GPU);
+    "rejection", "block") made explicit; ``fast_path=True`` runs the drafters at fixed shapes (CUDA graphs on GPU);
     ``compile=True`` (or a ``CompileConfig``) compiles the target's verify forward over a static cache (batch 1).
     """
     drafter = as_drafter(assistant, strategy=strategy, mtp_steps=mtp_steps, fast_path=fast_path)

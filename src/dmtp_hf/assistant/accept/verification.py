@@ -1,4 +1,4 @@
-"""Token selection and the three lossless verification rules (docs/design.md §3).
+"""Token selection and the four lossless verification rules (greedy, match, rejection, block) (docs/design.md §3).
 
 Every distribution here is *processed*: the generation's logits processors (repetition penalty, temperature,
 top-k, top-p, ...) are applied with the exact prefix each position sees, identically for draft and target, so
@@ -63,8 +63,9 @@ def verify(
     ``greedy``: candidates must equal the target argmax. ``match`` (the blog's target-only verification): sample the
     target at every slot and accept while samples equal candidates; the bonus is the first differing sample.
     ``rejection`` (Leviathan et al.): accept candidate i with probability ``min(1, p_i/q_i)``, on rejection
-    resample from ``norm(max(p - q, 0))``, and if all are accepted sample the bonus from ``p``. All three leave the
-    output distribution equal to the target's. Greedy drafts (``draft_sampled=False``) were drawn from a one-hot
+    resample from ``norm(max(p - q, 0))``, and if all are accepted sample the bonus from ``p``. ``block`` (Sun et
+    al.): the block is accepted jointly (`block_verify`), never fewer tokens than ``rejection`` in expectation. All
+    four leave the output distribution equal to the target's. Greedy drafts (``draft_sampled=False``) were drawn from a one-hot
     ``q`` at the candidate, which is the ``q`` used, so the rule stays exact for them too.
     """
     num_candidates = candidates.shape[1]

@@ -6,7 +6,7 @@ decoding loop, so comparisons between them differ only in how candidates are pro
 
 A drafter sees the target only through :class:`TargetStep` (tokens, hidden states and context features of
 positions the target has just committed) and returns a :class:`Proposal` per round. Its state between rounds (the
-MTP state, the DFlash context) lives in ``drafter_state.py``; ``fixed_shapes`` (the fast path) changes only the
+MTP state, the DFlash context) lives in ``state.py``; ``fixed_shapes`` (the fast path) changes only the
 shapes it runs at (CUDA-graph replays on CUDA with ``cuda_graphs``), never the proposals.
 """
 

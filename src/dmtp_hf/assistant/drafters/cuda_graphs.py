@@ -1,6 +1,6 @@
 """Replay a fixed-shape stage of a round as a CUDA graph: a wrapper around the stage, not a subclass of anything.
 
-Used by the fixed-slot drafter state (``drafter_state.py``) for MTP advance and the DFlash block forward. On CPU,
+Used by the fixed-slot drafter state (``state.py``) for MTP advance and the DFlash block forward. On CPU,
 or with ``enabled=False``, the wrapped function is simply called, so CPU tests run exactly the captured code.
 """
 

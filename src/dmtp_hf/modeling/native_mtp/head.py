@@ -63,7 +63,7 @@ class NativeMTPHead(nn.Module):
 
     The head is stateless: `forward` maps pairs to ``g`` (with an optional KV cache the caller owns) and `logits`
     maps ``g`` to the vocabulary. The decoding-round state (its private KV cache, the ``g`` that predicts the next
-    T1) lives in the generation layer (``dmtp_hf.assistant.drafter_state.MTPState``).
+    T1) lives in the generation layer (``dmtp_hf.assistant.drafters.state.MTPState``).
     """
 
     def __init__(self, target: PreTrainedModel, layout: MTPLayout, *, hidden_input: HiddenInput = "post_norm"):
