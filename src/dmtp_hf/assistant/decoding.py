@@ -7,8 +7,8 @@ batch of rows:
    has not processed yet (DMTP: T1 from the cached MTP hidden -> fusion -> one DFlash forward for T2..T7).
 2. **Verify.** One target forward over ``[A, T1..TK]`` at each row's positions ``a .. a+K``, returning logits, the
    DFlash context features and the hidden the MTP head reads.
-3. **Accept.** Greedy / match / rejection / block (``accept/verification.py``): ``n`` accepted candidates plus one bonus token
-   per row, clipped at EOS, at stopping criteria and at the row's token budget.
+3. **Accept.** Greedy / match / rejection / block (``accept/verification.py``): ``n`` accepted candidates plus
+   one bonus token per row, clipped at EOS, at stopping criteria and at the row's token budget.
 4. **Commit** the tokens, then the target cache to ``a + n`` per row (``target/cache.py``: masks for ragged
    attention KV; linear-attention states rebuilt per row).
 5. **Advance** the drafter with the committed positions; the MTP head's next output predicts the next T1.

@@ -65,8 +65,8 @@ def verify(
     ``rejection`` (Leviathan et al.): accept candidate i with probability ``min(1, p_i/q_i)``, on rejection
     resample from ``norm(max(p - q, 0))``, and if all are accepted sample the bonus from ``p``. ``block`` (Sun et
     al.): the block is accepted jointly (`block_verify`), never fewer tokens than ``rejection`` in expectation. All
-    four leave the output distribution equal to the target's. Greedy drafts (``draft_sampled=False``) were drawn from a one-hot
-    ``q`` at the candidate, which is the ``q`` used, so the rule stays exact for them too.
+    four leave the output distribution equal to the target's. Greedy drafts (``draft_sampled=False``) were drawn
+    from a one-hot ``q`` at the candidate, which is the ``q`` used, so the rule stays exact for them too.
     """
     num_candidates = candidates.shape[1]
     if num_candidates == 0 and mode in VERIFY_MODES:  # a round that drafted nothing is a plain decoding step
