@@ -109,7 +109,7 @@ def test_a_weights_only_bf16_snapshot_resumes_the_step_schedule_and_weights(tmp_
 
     straight = Trainer(config("straight"), target=target, train_dataset=greedy_data)
     straight.train()
-    at_step_4 = straight.checkpoint_root / "step-00000004"
+    at_step_4 = straight.checkpointer.root / "step-00000004"
     snapshot = weights_only_checkpoint(config("straight").output_dir, tmp_path / "committed")
     assert snapshot.name == "step-00000008"  # the newest
     snapshot = weights_only_checkpoint(at_step_4, tmp_path / "committed")
@@ -123,7 +123,7 @@ def test_a_weights_only_bf16_snapshot_resumes_the_step_schedule_and_weights(tmp_
     (Path(resumed_config.output_dir) / "checkpoints").mkdir(parents=True)
     shutil.copytree(snapshot, Path(resumed_config.output_dir) / "checkpoints" / snapshot.name)
     resumed = Trainer(resumed_config, target=target, train_dataset=greedy_data)
-    resumed.load_checkpoint(resumed._find_resume_checkpoint())
+    resumed.load_checkpoint(resumed.checkpointer.resume_point())
     full = Trainer(config("straight", resume_from=str(at_step_4)), target=target, train_dataset=greedy_data)
     full.load_checkpoint(at_step_4)
     assert resumed.step == full.step == 4 and resumed.rewarm_from == 4 and full.rewarm_from is None

@@ -520,7 +520,7 @@ def test_lora_trains_and_merged_checkpoint_loads_as_plain_draft(tmp_path, target
 
 def launch(command: list[str], env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
     """Run an `accelerate launch` (about 12 s here); one that never ends is killed with its ranks, and the test fails
-    with what they printed (the run ends on every rank together, `CheckpointMixin.end_run`)."""
+    with what they printed (the run ends on every rank together, `Trainer.end_run`)."""
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                start_new_session=True)  # fmt: skip
     try:

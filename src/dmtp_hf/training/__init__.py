@@ -3,11 +3,16 @@
 - `data`: chat JSONL (OpenAI ``messages`` / ShareGPT ``conversations``) -> token ids + assistant loss mask.
 - `regenerate`: rewrite the assistant turns with the target itself (``dmtp regenerate``).
 - `features`: target context features and teacher-forced MTP hidden states, online or offline (``dmtp extract``).
-- `objective`: anchors, blocks per layout, DFlash visibility masks (dense SDPA / FlexAttention), decayed CE, metrics.
+- `protocol`: `TrainingObjective`, what the trainer asks of whatever it trains (what it trains and saves, its loss
+  normalisers and metrics).
+- `objective`: the draft's: anchors, blocks per layout, DFlash visibility masks (dense SDPA / FlexAttention),
+  decayed CE, metrics; `mtp_objective`: the native MTP head's, and both together (joint).
 - `config`: `TrainConfig`, every setting, validated (strict dataclass).
-- `models`: the draft and MTP head to train (from scratch, DFlash/DMTP weights, retrofit), LoRA, saving.
-- `schedule`: which samples each process reads at each step; `checkpoints`: atomic checkpoints, resume, export.
-- `trainer`: `Trainer`, the loop (accelerate; ``scripts/finetune.py``, ``dmtp train``).
+- `models`: the draft and MTP head to train (from scratch, DFlash/DMTP weights, retrofit), LoRA, the objective
+  around them, saving.
+- `schedule`: which samples each process reads at each step; `checkpoints`: `Checkpointer` (atomic checkpoints,
+  resume, export); `report`: what a run prints.
+- `trainer`: `Trainer`, the setup and the loop (accelerate; ``scripts/finetune.py``, ``dmtp train``).
 """
 
 from .config import TrainConfig
@@ -33,6 +38,7 @@ from .objective import (
     summarize_metrics,
     valid_anchor_mask,
 )
+from .protocol import TrainingObjective
 from .regenerate import regenerate
 from .schedule import StepSchedule
 from .trainer import Trainer
@@ -48,6 +54,7 @@ __all__ = [
     "TokenizedDataset",
     "TrainConfig",
     "Trainer",
+    "TrainingObjective",
     "anchor_scores",
     "build_attention_masks",
     "build_draft",

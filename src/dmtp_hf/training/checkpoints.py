@@ -1,13 +1,12 @@
-"""The trainer's checkpoints: atomic ``step-N`` directories (accelerate state + plain exported models), rotation,
-resume, the final export and the run's end. A mixin of `Trainer` (it reads the trainer's accelerator, objective and
-counters).
+"""The trainer's checkpoints: `Checkpointer`, which the `Trainer` holds, writes atomic ``step-N`` directories
+(accelerate state + plain exported models) and rotates them, finds and restores the one to resume from, and exports
+the final models.
 
 `weights_only_checkpoint` copies a checkpoint without its optimizer state, the weights cast to bfloat16: small enough
 to commit, so that a run can span machines whose disks are not kept. The trainer resumes from such a copy too."""
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import os
@@ -15,20 +14,25 @@ import re
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 from ..modeling import DMTPDraftModel, load_native_mtp
 from ..modeling.io import atomic_directory
-from .data import data_fingerprints
 from .models import save_models
-from .mtp_objective import JointObjective
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+    from .config import TrainConfig
+    from .protocol import TrainingObjective
 
 __all__ = [
     "HARMLESS_CHANGES",
-    "CheckpointMixin",
+    "Checkpointer",
     "check_data_fingerprints",
     "check_resumed_config",
     "latest_checkpoint",
@@ -151,25 +155,47 @@ def _cast_weights(directory: Path, dtype: torch.dtype) -> None:
             file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-class CheckpointMixin:
-    """``save_checkpoint`` / ``load_checkpoint`` / ``export`` for `Trainer`.
+class Checkpointer:
+    """A run's checkpoints, held by the `Trainer`: ``output_dir/checkpoints/step-N`` directories written atomically
+    and rotated (`save`), the one a run resumes from (`resume_point`) and its restoring (`load`), and the final
+    models (`export`). What is saved is what the objective trains (`TrainingObjective.trained_modules`).
 
     Our own naming and rotation, not accelerate's ``ProjectConfiguration(automatic_checkpoint_naming)``: that writes
     the state in place (not atomically) and cannot keep the exported models and the trainer state in one unit.
+
+    Args:
+        config: the run's `TrainConfig` (saved with each checkpoint, compared on resume: `check_resumed_config`).
+        accelerator: the run's `Accelerator`, whose state (objective, optimizer, scheduler, RNG) a checkpoint holds.
+        target: the frozen target (a saved head's tensor names; a saved draft is bound to it on a weights-only
+            resume).
+        native_mtp: the run's MTP head, which a saved draft is bound with on a weights-only resume.
+        data_fingerprints: the training data's (`data.data_fingerprints`), saved and compared on resume.
     """
 
-    @property
-    def checkpoint_root(self) -> Path:
-        """``output_dir/checkpoints``: one ``step-XXXXXXXX`` directory per checkpoint."""
-        return Path(self.config.output_dir) / "checkpoints"
+    def __init__(
+        self,
+        config: TrainConfig,
+        accelerator: Accelerator,
+        target: nn.Module,
+        native_mtp: nn.Module | None = None,
+        data_fingerprints: dict[str, str] | None = None,
+    ):
+        self.config = config
+        self.accelerator = accelerator
+        self.target = target
+        self.native_mtp = native_mtp
+        self.data_fingerprints = dict(data_fingerprints or {})
+        self.root = Path(config.output_dir) / "checkpoints"  # one step-XXXXXXXX directory per checkpoint
 
-    def save_checkpoint(self) -> Path:
-        """Write ``checkpoints/step-N/{state/, model/, mtp_head/, trainer_state.json}`` atomically (all processes
-        call this). ``state/`` is accelerate's (model, optimizer, scheduler, RNG); ``model/`` a plain
-        `DMTPDraftModel` checkpoint (LoRA merged); ``mtp_head/`` the trained MTP head, when there is one."""
-        acc = self.accelerator
-        final = self.checkpoint_root / f"step-{self.step:08d}"
-        partial = self.checkpoint_root / f".step-{self.step:08d}.partial"
+    def save(self, objective: nn.Module, state: dict[str, Any]) -> Path:
+        """Write ``step-N/{state/, model/, mtp_head/, trainer_state.json}`` atomically (all processes call this).
+        ``state/`` is accelerate's (objective, optimizer, scheduler, RNG); ``model/`` a plain `DMTPDraftModel`
+        checkpoint (LoRA merged) and ``mtp_head/`` the head, when trained; ``trainer_state.json`` the trainer's
+        counters ``state`` (``step`` among them), the config and the data fingerprints. ``objective``: as accelerate
+        prepared it."""
+        acc, step = self.accelerator, state["step"]
+        final = self.root / f"step-{step:08d}"
+        partial = self.root / f".step-{step:08d}.partial"
         if acc.is_main_process:
             shutil.rmtree(partial, ignore_errors=True)
         acc.wait_for_everyone()
@@ -177,167 +203,156 @@ class CheckpointMixin:
         # Every process writes its own RNG state into `partial` and save_state does not wait for the others: moving
         # the folder before they are done made a slower process fail to write (a 2-process CPU run hit it).
         acc.wait_for_everyone()
-        state_dict = acc.get_state_dict(self.objective)  # gathers sharded (FSDP/DeepSpeed) weights
+        state_dict = acc.get_state_dict(objective)  # gathers sharded (FSDP/DeepSpeed) weights
         if acc.is_main_process:
+            record = {**state, "config": self.config.to_dict(), "data_fingerprints": self.data_fingerprints}
             with atomic_directory(final) as tmp:
                 os.replace(partial, tmp / "state")
-                self._save_models(tmp / "model", tmp / "mtp_head", state_dict)
-                (tmp / "trainer_state.json").write_text(json.dumps(self._trainer_state(), indent=2) + "\n")
-            self._prune_checkpoints()
-            remove_stale_writes(self.checkpoint_root)  # this write succeeded: any other temporary one is dead
+                self._save_models(acc.unwrap_model(objective), step, state_dict, tmp / "model", tmp / "mtp_head")
+                (tmp / "trainer_state.json").write_text(json.dumps(record, indent=2) + "\n")
+            self._prune()
+            remove_stale_writes(self.root)  # this write succeeded: any other temporary one is dead
         acc.wait_for_everyone()
         return final
 
-    def _trainer_state(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "total_steps": self.total_steps,
-            "train_seconds": self.train_seconds,
-            "sessions": getattr(self, "sessions", 1),
-            "last_eval": self.last_eval,
-            "rewarm_from": self.rewarm_from,
-            "config": self.config.to_dict(),
-            "data_fingerprints": getattr(self, "data_fingerprints", {}),
-        }
+    def export(
+        self,
+        objective: nn.Module,
+        step: int,
+        directory: str | os.PathLike,
+        record: dict[str, Any],
+        head_directory: str | os.PathLike | None = None,
+    ) -> dict[str, Path]:
+        """Write what was trained, each atomically with ``record`` as its ``training.json``: the draft as a plain
+        `DMTPDraftModel` checkpoint (LoRA merged, in the target's dtype) to ``directory``; the MTP head, when trained,
+        to ``head_directory`` (default: ``<directory>_mtp_head``) as a head checkpoint ``load_native_mtp(target,
+        checkpoint=...)`` reads. Returns ``{"draft": ..., "mtp_head": ...}``, the folders written (on every
+        process)."""
+        state_dict = self.accelerator.get_state_dict(objective)
+        plain = self.accelerator.unwrap_model(objective)
+        parts = plain.trained_modules()
+        written = {}
+        if "draft" in parts:
+            written["draft"] = Path(directory)
+        if "mtp_head" in parts:
+            written["mtp_head"] = Path(head_directory or f"{directory}_mtp_head")
+        if self.accelerator.is_main_process:
+            text = json.dumps(record, indent=2) + "\n"
+            if "draft" in written:
+                with atomic_directory(written["draft"]) as tmp:  # fp32 masters, exported in the target's dtype
+                    dtype = self.target.get_input_embeddings().weight.dtype
+                    self._save_models(plain, step, state_dict, tmp, None, dtype=dtype)
+                    (tmp / "training.json").write_text(text)
+            if "mtp_head" in written:
+                with atomic_directory(written["mtp_head"]) as tmp:
+                    self._save_models(plain, step, state_dict, None, tmp)
+                    (tmp / "training.json").write_text(text)
+        self.accelerator.wait_for_everyone()
+        return written
 
-    def fingerprint_data(self) -> dict[str, str]:
-        """Fingerprints of the config's ``train_data`` files (`data.data_fingerprints`), saved with each checkpoint
-        and compared on resume."""
-        return data_fingerprints(self.config.train_data)
-
-    def _save_models(self, draft_dir: Path | None, head_dir: Path | None, state_dict: dict | None, dtype=None) -> None:
-        """The draft (when one is trained) to ``draft_dir`` and the MTP head (when trained) to ``head_dir``."""
-        objective = self.unwrapped_objective
-        joint = isinstance(objective, JointObjective)
-        draft = None
-        if draft_dir is not None and self.config.train_mtp_head != "only":
-            draft = (objective.draft_objective if joint else objective).model
-        weights = None
-        if draft is not None and state_dict is not None:
-            prefix = "draft_objective.model." if joint else "model."  # the gathered state dict (FSDP/DeepSpeed)
-            weights = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
-        head = self.trained_head if head_dir is not None else None
+    def _save_models(
+        self,
+        objective: TrainingObjective,
+        step: int,
+        state_dict: dict[str, torch.Tensor] | None,
+        draft_dir: Path | None,
+        head_dir: Path | None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        """The draft (when trained) to ``draft_dir``, its weights taken from the gathered ``state_dict``, and the MTP
+        head (when trained) to ``head_dir``."""
+        parts = objective.trained_modules()
+        draft = parts.get("draft") if draft_dir is not None else None
+        weights = objective.part_weights("draft", state_dict) if draft is not None and state_dict is not None else None
+        head = parts.get("mtp_head") if head_dir is not None else None
         save_models(
             draft,
             head,
             self.target,
             draft_dir=draft_dir,
             head_dir=head_dir,
-            step=self.step,
+            step=step,
             draft_state_dict=weights,
             dtype=dtype,
         )
 
-    def export(self, directory: str | os.PathLike, head_directory: str | os.PathLike | None = None) -> dict[str, Path]:
-        """Write what was trained, each atomically with a ``training.json``: the draft as a plain `DMTPDraftModel`
-        checkpoint (LoRA merged) to ``directory``; the MTP head, when trained, to ``head_directory`` (default:
-        ``<directory>_mtp_head``) as a head checkpoint ``load_native_mtp(target, checkpoint=...)`` reads. Returns
-        ``{"draft": ..., "mtp_head": ...}``, the folders written (on every process)."""
-        state_dict = self.accelerator.get_state_dict(self.objective)
-        written = {}
-        if self.config.train_mtp_head != "only":
-            written["draft"] = Path(directory)
-        if self.trained_head is not None:
-            written["mtp_head"] = Path(head_directory or f"{directory}_mtp_head")
-        if self.accelerator.is_main_process:
-            record = json.dumps(self.training_record(), indent=2) + "\n"
-            if "draft" in written:
-                with atomic_directory(written["draft"]) as tmp:  # fp32 masters, exported in the target's dtype
-                    self._save_models(tmp, None, state_dict, dtype=self.target.get_input_embeddings().weight.dtype)
-                    (tmp / "training.json").write_text(record)
-            if "mtp_head" in written:
-                with atomic_directory(written["mtp_head"]) as tmp:
-                    self._save_models(None, tmp, state_dict)
-                    (tmp / "training.json").write_text(record)
-        self.accelerator.wait_for_everyone()
-        return written
-
-    def end_run(self) -> None:
-        """End the run on every process together (after the last checkpoint or export): a barrier; then the DDP
-        wrapper, whose reducer holds the gloo/NCCL group, is freed while every peer is still alive; then the group
-        goes. Left to the interpreter's exit, that destructor ran after a peer had already left and could block for
-        good (a two-process CPU run hung so about once in 180). The trainer keeps the unwrapped objective."""
-        acc = self.accelerator
-        acc.wait_for_everyone()
-        self.objective = acc.unwrap_model(self.objective)
-        acc.free_memory()  # accelerate's own references to the wrapper
-        gc.collect()
-        acc.end_training()  # trackers finish; the process group is destroyed
-
-    def _prune_checkpoints(self) -> None:
+    def _prune(self) -> None:
         limit = self.config.save_total_limit
         if not limit:
             return
-        for old in sorted(self.checkpoint_root.glob("step-*"))[:-limit]:
+        for old in sorted(self.root.glob("step-*"))[:-limit]:
             shutil.rmtree(old, ignore_errors=True)
 
-    def _find_resume_checkpoint(self) -> Path | None:
+    def resume_point(self) -> Path | None:
+        """The checkpoint this run resumes from (``resume_from``: the newest one for ``auto``), or None; the
+        temporary folders of interrupted writes go first."""
         source = self.config.resume_from
         if not source:
             return None
         if self.accelerator.is_main_process:  # no checkpoint is being written before the run starts
-            remove_stale_writes(self.checkpoint_root)
+            remove_stale_writes(self.root)
         if source != "auto":
             return Path(source)
-        return latest_checkpoint(self.checkpoint_root)
+        return latest_checkpoint(self.root)
 
-    def load_checkpoint(self, directory: str | os.PathLike) -> None:
-        """Restore weights, optimizer, scheduler, RNG and step from a checkpoint written by `save_checkpoint`,
-        after comparing its config and data with this run's (`check_resumed_config`, `check_data_fingerprints`); from
-        a `weights_only_checkpoint`, the weights and the step (`_load_weights_only`)."""
+    def load(
+        self,
+        directory: str | os.PathLike,
+        objective: TrainingObjective,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+    ) -> dict[str, Any]:
+        """Restore weights, optimizer, scheduler and RNG from a checkpoint written by `save`, after comparing its
+        config and data with this run's (`check_resumed_config`, `check_data_fingerprints`); from a
+        `weights_only_checkpoint`, the weights and the schedule (`_load_weights_only`: its ``rewarm_from`` is then
+        the step). Returns the saved trainer counters. ``objective``: unwrapped (the plain module)."""
         directory = Path(directory)
         state = json.loads((directory / "trainer_state.json").read_text())
         check_resumed_config(state.get("config") or {}, self.config.to_dict(), directory)
         saved_data, allow = state.get("data_fingerprints") or {}, self.config.allow_config_change
-        check_data_fingerprints(saved_data, getattr(self, "data_fingerprints", {}), directory, allow)
-        self.step = int(state["step"])
-        self.rewarm_from = state.get("rewarm_from")
+        check_data_fingerprints(saved_data, self.data_fingerprints, directory, allow)
+        step = int(state["step"])
         if (directory / "state").is_dir():
             self.accelerator.load_state(str(directory / "state"))
         else:
-            self._load_weights_only(directory)
-        self.train_seconds = float(state.get("train_seconds", 0.0))
-        self.sessions = int(state.get("sessions", 1)) + 1  # the sessions that wrote the checkpoint, and this one
-        self.last_eval = state.get("last_eval")
+            self._load_weights_only(directory, objective, scheduler, step)
+            state["rewarm_from"] = step
         if self.accelerator.is_main_process:
-            print(f"resumed from {directory} at step {self.step}")
+            print(f"resumed from {directory} at step {step}")
+        return state
 
-    def _load_weights_only(self, directory: Path) -> None:
+    def _load_weights_only(
+        self,
+        directory: Path,
+        objective: TrainingObjective,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        step: int,
+    ) -> None:
         """Resume from a `weights_only_checkpoint`: the draft and head weights (into the fp32 masters) and the
-        learning-rate schedule at ``self.step``. The data order is a function of the step, so it continues exactly;
+        learning-rate schedule at ``step``. The data order is a function of the step, so it continues exactly;
         AdamW's moments start from zero, so the learning rate ramps up again over ``rewarm_steps`` (a first update
         from one gradient's moments would be as large as the learning rate in every coordinate)."""
         if self.config.lora:
             raise ValueError(
                 f"{directory} holds merged weights without the LoRA adapters: resume a LoRA run from a full checkpoint"
             )
-        if self.config.train_mtp_head != "only":
+        if objective.draft is not None:
             # bound with the run's head: a target without a native one (a retrofitted head) is refused otherwise
-            saved = DMTPDraftModel.from_pretrained(directory / "model", target=self.target, native_mtp=self.mtp_head)
-            self.draft.load_state_dict(saved.state_dict())  # in place, into the fp32 masters
-        if self.trained_head is not None:
+            saved = DMTPDraftModel.from_pretrained(directory / "model", target=self.target, native_mtp=self.native_mtp)
+            objective.draft.load_state_dict(saved.state_dict())  # in place, into the fp32 masters
+        if objective.trained_head is not None:
             saved_head = load_native_mtp(
                 self.target,
                 checkpoint=directory / "mtp_head",
                 dtype=torch.float32,
                 hidden_input=self.config.mtp_hidden_input,
             )
-            self.trained_head.load_state_dict(saved_head.state_dict())
-        self.scheduler.last_epoch = self.step - 1
+            objective.trained_head.load_state_dict(saved_head.state_dict())
+        scheduler.last_epoch = step - 1
         with warnings.catch_warnings():  # "step() before optimizer.step()": no step is skipped, the schedule is set
             warnings.simplefilter("ignore")
-            self.scheduler.step()
-        self.rewarm_from = self.step
+            scheduler.step()
         if self.accelerator.is_main_process:
             print(
                 f"{directory} holds no optimizer state: fresh AdamW moments, learning rate ramped up again over "
                 f"{self.config.rewarm_steps} steps"
             )
-
-    def _rewarm_learning_rate(self) -> None:
-        """After a weights-only resume, scale the scheduled learning rate by a linear ramp over ``rewarm_steps``."""
-        if self.rewarm_from is None or self.step >= self.rewarm_from + self.config.rewarm_steps:
-            return
-        factor = (self.step - self.rewarm_from + 1) / (self.config.rewarm_steps + 1)
-        for group, scheduled in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
-            group["lr"] = scheduled * factor

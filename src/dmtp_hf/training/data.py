@@ -28,13 +28,17 @@ import json
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
 from transformers import GenerationConfig
 
+from ..bundled import resolve_target_path
 from .data_checks import LengthReport, check_token_ids, path_fingerprint
+
+if TYPE_CHECKING:
+    from .config import TrainConfig
 
 __all__ = [
     "ChatRenderer",
@@ -43,10 +47,12 @@ __all__ = [
     "conversation_from_record",
     "data_fingerprints",
     "load_dataset_records",
+    "load_training_data",
     "mixed_dataset",
     "parse_mix_item",
     "read_jsonl",
     "synthetic_greedy_dataset",
+    "training_datasets",
 ]
 
 _ROLES = {
@@ -410,3 +416,48 @@ def synthetic_greedy_dataset(
     loss_mask = torch.zeros_like(ids)
     loss_mask[:, prompt_length:] = 1
     return TokenizedDataset([{"input_ids": i.cpu(), "loss_mask": m.cpu()} for i, m in zip(ids, loss_mask, strict=True)])
+
+
+def training_datasets(
+    config: TrainConfig,
+    target: torch.nn.Module,
+    train_dataset: torch.utils.data.Dataset | None = None,
+    eval_dataset: torch.utils.data.Dataset | None = None,
+) -> tuple[torch.utils.data.Dataset, torch.utils.data.Dataset | None]:
+    """A run's training and held-out sets: given, read from the config's ``train_data`` / ``eval_data``, or a
+    held-out split of the training set (``eval_holdout``: a seeded random subset, since files are often grouped by
+    source and their tail is no held-out sample)."""
+    train = train_dataset if train_dataset is not None else load_training_data(config, target, config.train_data)
+    if eval_dataset is not None or not (config.eval_data or config.eval_holdout > 0):
+        return train, eval_dataset
+    if config.eval_data:
+        return train, load_training_data(config, target, config.eval_data)
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(config.seed))
+    held, kept = sorted(order[: config.eval_holdout].tolist()), sorted(order[config.eval_holdout :].tolist())
+    return torch.utils.data.Subset(train, kept), torch.utils.data.Subset(train, held)
+
+
+def load_training_data(
+    config: TrainConfig, target: torch.nn.Module, source: str | list[str]
+) -> torch.utils.data.Dataset:
+    """One ``train_data``/``eval_data`` setting as a dataset: a chat or pre-tokenized JSONL, an offline feature
+    directory, ``synthetic:<N>x<len>`` (greedy continuations by ``target``), or a list of them mixed by weight."""
+    if isinstance(source, list):
+        parts = [(load_training_data(config, target, path), weight) for path, weight in map(parse_mix_item, source)]
+        return mixed_dataset(parts, seed=config.seed)
+    if source.startswith("synthetic:"):
+        num, _, length = source.removeprefix("synthetic:").partition("x")
+        return synthetic_greedy_dataset(target, int(num), int(length), seed=config.seed)
+    if not Path(source).exists():
+        raise FileNotFoundError(
+            f"The training data {source} does not exist; the comment next to it in the shipped configs names the "
+            "command that makes it (e.g. scripts/reproduce/regenerate_bundled.sh)."
+        )
+    return load_dataset_records(
+        source,
+        tokenizer=config.tokenizer or resolve_target_path(config.target_model),
+        max_length=config.max_length,
+        enable_thinking=config.enable_thinking,
+        mask_strategy=config.mask_strategy,
+        vocab_size=target.config.get_text_config().vocab_size,
+    )

@@ -4,6 +4,9 @@
   DFlash checkpoint loaded as ``dual`` + ``residual`` starts exactly as "DFlash conditioned on T1" (zero fusion).
 - `build_mtp_head`: the target's native head (frozen, or trainable), a tuned one (``mtp_init_from``) or a new
   retrofitted one.
+- `trained_draft`, `build_objective`: the draft as the trainer trains it, and the `TrainingObjective` that trains
+  it and/or the head: the one place ``train_mtp_head`` picks what is trained.
+- `fill_draft_vocabulary`, `fill_head_vocabulary`: a new draft vocabulary from the training answers' tokens.
 - `merged_copy` and `save_models`: plain checkpoints (LoRA merged into a copy) for periodic checkpoints and exports.
 """
 
@@ -11,21 +14,37 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.utils import set_seed
 from torch import nn
 
 from ..modeling import DMTPConfig, DMTPDraftModel, load_native_mtp
 from ..modeling.configuration_dmtp import DEFAULT_NUM_CANDIDATES
+from ..modeling.draft_vocab import frequency_ranked_vocabulary, set_draft_vocabulary
 from ..modeling.native_mtp import NativeMTPHead, new_mtp_head
 from ..modeling.native_mtp.export import save_mtp_head
 from ..modeling.references import deepcopy_sharing
 from .config import TrainConfig
 from .features import freeze
+from .mtp_objective import JointObjective, MTPHeadObjective
+from .objective import DMTPTrainingObjective
+from .protocol import TrainingObjective, unwrap_peft
 
-__all__ = ["build_draft", "build_mtp_head", "merged_copy", "save_models", "wrap_lora"]
+__all__ = [
+    "build_draft",
+    "build_mtp_head",
+    "build_objective",
+    "fill_draft_vocabulary",
+    "fill_head_vocabulary",
+    "merged_copy",
+    "save_models",
+    "trained_draft",
+    "wrap_lora",
+]
 
 
 def build_draft(config: TrainConfig, target: nn.Module, native_mtp: nn.Module | None = None) -> DMTPDraftModel:
@@ -86,6 +105,94 @@ def build_mtp_head(config: TrainConfig, target: nn.Module) -> NativeMTPHead | No
             target, checkpoint=config.mtp_init_from, hidden_input=config.mtp_hidden_input, dtype=dtype
         )
     return head.requires_grad_(True).train() if trained else freeze(head)
+
+
+def trained_draft(config: TrainConfig, target: nn.Module, native_mtp: nn.Module | None) -> nn.Module | None:
+    """The draft as the trainer trains it (None when ``train_mtp_head`` is ``only``): `build_draft` from the run's
+    seed, fp32 master weights, the configured attention kernel, activation checkpointing and LoRA."""
+    if config.train_mtp_head == "only":
+        return None
+    set_seed(config.seed)
+    draft = build_draft(config, target, native_mtp=native_mtp)
+    # fp32 master weights whatever the target's dtype (binding cast the draft to it): AdamW on bf16 weights loses
+    # small updates; autocast (mixed_precision) computes in bf16, the export is cast back to the target's dtype.
+    draft.float()
+    draft.set_attn_implementation(config.attn_implementation)
+    if config.gradient_checkpointing:
+        draft.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    return wrap_lora(config, draft, ["fusion"] if draft.fusion is not None else None) if config.lora else draft
+
+
+def build_objective(config: TrainConfig, draft: nn.Module | None, head: NativeMTPHead | None) -> TrainingObjective:
+    """What the trainer trains, by ``train_mtp_head``: the draft's objective (``frozen``), the head's (``only``,
+    LoRA-wrapped when ``lora`` is on) or both (``joint``). Everything after asks the objective, not the mode."""
+    if config.train_mtp_head == "only":
+        head = wrap_lora(config, head, None) if config.lora else head
+        return MTPHeadObjective(head, config.mtp_kl_weight, config.logits_chunk_size or 1024)
+    objective = DMTPTrainingObjective(
+        draft, config.loss_decay_gamma, config.logits_chunk_size, config.selector_loss_weight
+    )
+    if config.train_mtp_head == "joint":
+        head_objective = MTPHeadObjective(head, config.mtp_kl_weight, config.logits_chunk_size or 1024)
+        return JointObjective(objective, head_objective, config.mtp_loss_weight)
+    return objective
+
+
+def fill_draft_vocabulary(
+    config: TrainConfig,
+    draft: nn.Module | None,
+    dataset: Iterable[dict[str, torch.Tensor]],
+    target: nn.Module,
+    verbose: bool = True,
+) -> dict[str, float] | None:
+    """A draft vocabulary from scratch (``draft_config.draft_vocab_size``): the training answers' most frequent
+    target tokens, EOS always in (`frequency_ranked_fill`); the draft of a checkpoint (``init_from``) keeps its own.
+    Returns the coverage statistics of a new one."""
+    model = unwrap_peft(draft)
+    if model is None or getattr(model, "d2t", None) is None or config.init_from:
+        return None
+    return frequency_ranked_fill(model, dataset, target, "draft vocabulary", verbose)
+
+
+def fill_head_vocabulary(
+    config: TrainConfig,
+    head: NativeMTPHead | None,
+    dataset: Iterable[dict[str, torch.Tensor]],
+    target: nn.Module,
+    verbose: bool = True,
+) -> dict[str, float] | None:
+    """The trained head's draft vocabulary (``mtp_draft_vocab_size``), built as the draft's; a head continued from a
+    checkpoint with one keeps it (refused when its size differs)."""
+    size = config.mtp_draft_vocab_size
+    if size is None or head is None:
+        return None
+    if head.d2t is not None:
+        if head.d2t.numel() != size:
+            raise ValueError(
+                f"mtp_draft_vocab_size={size}, but the head from {config.mtp_init_from} has a draft vocabulary of "
+                f"{head.d2t.numel()} tokens"
+            )
+        return None
+    head.use_draft_vocabulary(size)
+    head.to(head.projection.weight.device)
+    return frequency_ranked_fill(head, dataset, target, "MTP head vocabulary", verbose)
+
+
+def frequency_ranked_fill(
+    model: nn.Module, dataset: Iterable[dict[str, torch.Tensor]], target: nn.Module, what: str, verbose: bool = True
+) -> dict[str, float]:
+    """Fill ``model``'s draft vocabulary with the most frequent target tokens of the dataset's answers (its
+    ``loss_mask``), EOS always in; says so (``verbose``) and returns the coverage statistics."""
+    answers = (item["input_ids"][item["loss_mask"].bool()].tolist() for item in dataset)
+    eos = target.generation_config.eos_token_id
+    always = [eos] if isinstance(eos, int) else list(eos or [])
+    ids, stats = frequency_ranked_vocabulary(answers, model.d2t.numel(), model.t2d.numel(), always)
+    set_draft_vocabulary(model, ids)
+    if verbose:
+        print(
+            f"{what}: {len(ids)} of {model.t2d.numel()} tokens, {stats['coverage']:.1%} of the training answers' tokens"
+        )
+    return stats
 
 
 def wrap_lora(config: TrainConfig, model: nn.Module, modules_to_save: list[str] | None) -> nn.Module:

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-__all__ = ["StepSchedule", "eval_batches"]
+__all__ = ["StepSchedule", "eval_batches", "rewarm_factor"]
 
 
 class StepSchedule:
@@ -63,3 +63,11 @@ def eval_batches(num_batches: int, num_processes: int, process_index: int) -> li
     per_process = math.ceil(num_batches / num_processes)
     indices = [i * num_processes + process_index for i in range(per_process)]
     return [(b, True) if b < num_batches else (0, False) for b in indices]
+
+
+def rewarm_factor(step: int, rewarm_from: int | None, rewarm_steps: int) -> float | None:
+    """The factor on the scheduled learning rate at ``step`` after a weights-only resume at ``rewarm_from`` (fresh
+    AdamW moments): a linear ramp over ``rewarm_steps`` steps; None when no ramp applies (the schedule as it is)."""
+    if rewarm_from is None or step >= rewarm_from + rewarm_steps:
+        return None
+    return (step - rewarm_from + 1) / (rewarm_steps + 1)
