@@ -8,6 +8,7 @@
 """
 
 import json
+import math
 import random
 import shutil
 
@@ -207,7 +208,8 @@ def test_rounds_where_drafting_does_not_pay_run_no_drafter_stage(targets, monkey
     head_handle = draft.native_mtp.register_forward_hook(lambda *args: head_calls.append(1))
     prompt = torch.tensor([[5, 17, 42, 9]])
     reference = greedy_reference(target, prompt)
-    policy = AutoWidth(CostModel({w: 1.0 + 0.9 * (w - 1) for w in range(1, 9)}), Calibration(), 7)
+    steep = CostModel({w: 1.0 + 0.9 * (w - 1) for w in range(1, 9)}, follow_rounds=False)  # not the tiny target's
+    policy = AutoWidth(steep, Calibration(), 7)
     policy.prior = [0.02] * 7
     try:
         out, stats = speculative_decode(target, prompt, DMTPDrafter(draft, draft.native_mtp),
@@ -360,3 +362,44 @@ def test_target_generate_takes_dmtp_verify_length(targets):
     assert sum(out.spec_stats.verify_widths.values()) == out.spec_stats.num_rounds
     with pytest.raises(ValueError, match="verify_length"):
         target.generate(prompt, assistant_model=draft, max_new_tokens=4, dmtp_verify_length=-2)
+
+
+def _round(policy, confidence: float, batch: int = 1):
+    """One round driven through the policy's questions, with K candidates of the given confidence (vocab 4)."""
+    if not policy.begin_round(batch):
+        return 0
+    k = policy.max_candidates
+    scores = torch.zeros(batch, k, 4)
+    scores[..., 0] = math.log(3 * confidence / (1 - confidence))  # softmax(scores)[..., 0] == confidence
+    tokens = torch.zeros(batch, k, dtype=torch.long)
+    return policy.choose(tokens, scores)
+
+
+def test_auto_follows_what_rounds_really_cost_without_reading_a_clock():
+    """Synthetic costs through the statistics' timer: when the widest verify starts costing 3x its timing (a busy
+    machine slows a wide CPU forward more than a short one), auto stops choosing it within a few rounds, and chooses
+    it again within a few more once it is cheap again. The policy reads no clock: the seconds here are made up."""
+    timed = {w: 1.0 + 0.05 * (w - 1) for w in range(1, 5)}  # a wide verify costs about one step
+    policy = AutoWidth(CostModel(timed), Calibration(), 3, [[]] * 4)
+    policy.prior = [0.7] * 3
+    policy.mean_confidence = [0.7] * 3
+    confident = []  # the widths of the rounds whose candidates are confident (every other round)
+    for round_index in range(60):
+        confidence = 0.9 if round_index % 2 == 0 else 0.3
+        width = _round(policy, confidence)
+        dear = 3.0 if 10 <= round_index < 30 and width == 3 else 1.0
+        policy.timed("verify", timed[width + 1] * dear)
+        policy.learn([width + 1 if confidence > 0.5 else 1])
+        if confidence > 0.5:
+            confident.append(width)
+    assert confident[:5] == [3] * 5, confident  # cheap: the whole block
+    assert confident[7:15] == [2] * 8, confident  # the widest verify turned dear: one narrower, within two rounds
+    assert confident[-5:] == [3] * 5, confident  # cheap again: the whole block again
+
+
+def test_machine_load_moves_every_width_estimate():
+    cost = CostModel({1: 1.0, 2: 1.1, 3: 1.2})
+    for _ in range(20):
+        cost.observe_verify(1, 2.0)  # only plain steps run, at twice their timing
+    assert cost.verify[1] == pytest.approx(2.0, rel=0.05) and cost.load == pytest.approx(2.0, rel=0.05)
+    assert cost.verify[3] == pytest.approx(2.4, rel=0.05)  # never observed: follows the load

@@ -8,9 +8,10 @@ maximises tokens per second over the batch (``k = 0`` is a plain decoding step):
   probability it gave its candidate), a monotone map per position fitted on recorded ``(confidence, accepted)``
   pairs (``dmtp calibrate``) and stored in the draft's config; uncalibrated (MTP-k heads), the confidence
   rescaled per position to what the rounds accept on average (`AutoWidth.acceptance`).
-- `CostModel`: the target forward's seconds per width, measured on this machine at first use (a short timing of
-  dummy forwards, cached per target, device, dtype and batch size; never a constant), and the drafter's stages,
-  measured as the generation runs.
+- `CostModel`: the target forward's seconds per width, first from a short timing of dummy forwards on this machine
+  (cached per target, device, dtype and batch size; never a constant), then from what the generation's own verify
+  stages cost, round by round (a busy machine shifts the choice within a few rounds); the drafter's stages as the
+  generation measures them.
 - `AutoWidth`: the choice. Before drafting, from what earlier rounds accepted per position (before any evidence the
   calibration's held-out rates, or optimistic without them; kept across calls for the same draft): when no width
   pays, the round is a plain step that runs no drafter stage, and a probe that verifies the whole block follows
@@ -74,6 +75,10 @@ PRIOR_RATE = 0.1
 FIRST_PROBE_INTERVAL = 2
 MAX_PROBE_INTERVAL = 32
 EXPLORATION = 0.02
+# How fast measured round costs move the estimates (`CostModel.observe_verify`): a width's own observations, and the
+# pull of the overall load on widths not run lately.
+LEARNING_RATE = 0.3
+DRIFT_RATE = 0.1
 
 
 def confidences(tokens: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -215,12 +220,40 @@ class FixedWidth(RoundWidth):
 
 
 class CostModel:
-    """Seconds of a target forward per width (measured once per target/device/dtype/batch) and of the drafter's
-    stages (running means of what the generation itself measured)."""
+    """Seconds of a round's parts: the target forward per width and the drafter's stages.
 
-    def __init__(self, verify: dict[int, float]) -> None:
-        self.verify = verify
+    The forward's seconds start from a one-off timing (``verify``: tokens in the forward -> seconds, measured once
+    per target/device/dtype/batch, or given) and then follow what the generation's own verify stages cost
+    (`observe_verify`): each width keeps the ratio of its observed to its timed cost, and widths not run lately
+    drift toward the ratio of all recent rounds (``load``), so a change of machine load moves every estimate within
+    a few rounds and a width that has become dearer than the others is priced as such. Drafter stages are running
+    means of what the generation measured (`update`). Nothing here reads a clock: the statistics' timer feeds it,
+    so tests drive it with synthetic seconds. ``follow_rounds=False`` keeps the verify costs as given (a caller's
+    own cost table, trusted as it is).
+    """
+
+    def __init__(self, verify: dict[int, float], follow_rounds: bool = True) -> None:
+        self.follow_rounds = follow_rounds
+        self.timed = dict(verify)  # the one-off timing
+        self.verify = dict(verify)  # the current estimate
         self.stages: dict[str, float] = {}
+        self.load = 1.0  # observed / timed, over recent rounds of every width
+        self.ratios: dict[int, float] = {}  # observed / timed per width (tokens in the forward)
+
+    def observe_verify(self, tokens: int, seconds: float) -> None:
+        """A verify stage over ``tokens`` positions took ``seconds``: update that width's estimate and the load."""
+        if not self.follow_rounds:
+            return
+        tokens = min(tokens, max(self.timed))
+        ratio = seconds / self.timed[tokens]
+        self.load += LEARNING_RATE * (ratio - self.load)
+        for width in self.timed:
+            if width == tokens:
+                previous = self.ratios.get(width)
+                self.ratios[width] = ratio if previous is None else previous + LEARNING_RATE * (ratio - previous)
+            elif width in self.ratios:  # not run this round: toward what the machine does now
+                self.ratios[width] += DRIFT_RATE * (self.load - self.ratios[width])
+            self.verify[width] = self.timed[width] * self.ratios.get(width, self.load)
 
     @classmethod
     def measure(
@@ -393,8 +426,11 @@ class AutoWidth(RoundWidth):
         self.pending = None
 
     def timed(self, stage: str, seconds: float) -> None:
-        """Drafter stages feed the cost model (the target's verify is priced by `CostModel.measure`)."""
-        if any(stage in stages for stages in self.stage_plan):
+        """What the rounds really cost feeds the cost model: drafter stages, and the verify of the width just chosen
+        (a plain round's is one token)."""
+        if stage == "verify" and self.widths:
+            self.cost.observe_verify(self.widths[-1] + 1, seconds)
+        elif any(stage in stages for stages in self.stage_plan):
             self.cost.update(stage, seconds)
 
     def select_rows(self, rows: torch.Tensor) -> None:
