@@ -37,8 +37,9 @@ from dmtp_hf import DMTPConfig, DMTPDraftModel
 from dmtp_hf.assistant import DFlashDrafter, DMTPDrafter, MTPDrafter, SpecStats
 from dmtp_hf.assistant.generate import generate
 from dmtp_hf.assistant.stats import ROUND_STAGES
-from dmtp_hf.evaluation.models import eos_token_ids, load_target, load_tokenizer
+from dmtp_hf.evaluation.models import eos_token_ids, load_tokenizer
 from dmtp_hf.evaluation.prompts import load_bundled_set
+from dmtp_hf.training.features import load_target
 
 STAGE_TITLES = {
     "dflash": "fusion + DFlash forward + candidates",
@@ -107,7 +108,7 @@ def load_models(spec: str, device: torch.device, dtype: torch.dtype, workdir: Pa
         from dmtp_hf.bundled import default_paths
 
         paths = default_paths(("target", "dmtp", "dflash"))
-        target = load_target(str(paths["target"]), device, dtype)
+        target = load_target(paths["target"], dtype=dtype, device=device)
         tokenizer = load_tokenizer(str(paths["target"]))
         drafts = {name: DMTPDraftModel.from_pretrained(paths[name]) for name in ("dmtp", "dflash")}
         description = "bundled target and trained drafts"

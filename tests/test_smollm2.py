@@ -20,8 +20,9 @@ import dmtp_hf.bundled.smollm2 as smollm2
 from dmtp_hf.bundled import NotBuiltError, bundle_paths
 from dmtp_hf.cli import main
 from dmtp_hf.evaluation.acceptance import EvalSettings, encode_conversation, generation_kwargs
-from dmtp_hf.evaluation.models import eos_token_ids, load_target, load_tokenizer
+from dmtp_hf.evaluation.models import eos_token_ids, load_tokenizer
 from dmtp_hf.modeling.native_mtp import load_native_mtp, new_mtp_head, save_mtp_head
+from dmtp_hf.training.features import load_target
 
 pytest.importorskip("gguf")
 from dmtp_hf_assets.tiny_gguf import TINY_GGUF_CHAT_TEMPLATE, make_tiny_llama_gguf
@@ -205,7 +206,7 @@ def bundle_dir(target_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
     """A stand-in SmolLM2 bundle for the set-up tiny target: random DMTP and DFlash drafts bound to it and a
     retrofitted MTP head (perturbed away from its initialisation), saved as ``dmtp/``, ``dflash/``, ``mtp_head/``."""
     root = tmp_path_factory.mktemp("bundle")
-    target = load_target(str(target_dir), torch.device("cpu"), torch.float32)
+    target = load_target(target_dir, dtype=torch.float32)
     draft_for(target).save_pretrained(root / "dmtp")
     draft_for(target, anchor_layout="dflash").save_pretrained(root / "dflash")
     torch.manual_seed(3)
@@ -251,14 +252,14 @@ def test_bundle_paths_returns_the_bundle(bundle_dir: Path, target_dir: Path, mon
         "extra_drafts": {},
         "heads": {},
     }
-    target = load_target(str(paths["target"]), torch.device("cpu"), torch.float32)
+    target = load_target(paths["target"], dtype=torch.float32)
     head = load_native_mtp(target, checkpoint=paths["mtp_head"])
     assert head.layout.name == "retrofit"
 
 
 def _greedy_digest(target_dir: Path, prompts: list[str], max_new_tokens: int) -> str:
     """The ``output_digest`` eval records for plain greedy ``target.generate`` on single-turn ``prompts``."""
-    target = load_target(str(target_dir), torch.device("cpu"), torch.float32)
+    target = load_target(target_dir, dtype=torch.float32)
     tokenizer = load_tokenizer(str(target_dir))
     settings = EvalSettings(limit=len(prompts), max_new_tokens=max_new_tokens)
     kwargs = generation_kwargs(settings, eos_token_ids(target, tokenizer), tokenizer.pad_token_id)

@@ -137,8 +137,8 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "src"))
     from transformers import AutoTokenizer
 
-    from dmtp_hf.evaluation.models import load_target
     from dmtp_hf.modeling.draft_vocab import frequency_ranked_vocabulary
+    from dmtp_hf.training.features import load_target
 
     sizes = [int(s) for s in args.sizes.split(",")]
     tokenizer = AutoTokenizer.from_pretrained(args.target)
@@ -178,7 +178,7 @@ def main() -> None:
         print("wrote", args.output)
         return
 
-    target = load_target(args.target, torch.device("cpu"), torch.float32)
+    target = load_target(args.target, dtype=torch.float32)
     costs = head_costs(target, sizes, ranked, args.repeats)
     print("LM-head cost per round (ms):", json.dumps(costs, indent=1))
 

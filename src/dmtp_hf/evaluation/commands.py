@@ -230,9 +230,9 @@ def _settings(args: argparse.Namespace):
 
 def _load(args: argparse.Namespace) -> dict[str, Any]:
     """Validate prompts and settings first (cheap, fails fast), then load target, tokenizer and strategies."""
+    from ..training.features import load_target
     from .models import (
         build_strategies,
-        load_target,
         load_tokenizer,
         parse_strategies,
         resolve_device_dtype,
@@ -254,7 +254,7 @@ def _load(args: argparse.Namespace) -> dict[str, Any]:
     )
     labels = parse_strategies(args.strategies, paths, extra_labels=[label for label, _ in args.extra_draft])
     device, dtype = resolve_device_dtype(args.device, args.dtype)
-    target = load_target(paths.target, device, dtype)
+    target = load_target(paths.target, dtype=dtype, device=device)
     tokenizer = load_tokenizer(paths.tokenizer or paths.target)
     strategies = build_strategies(labels, target, paths, fast_path=args.fast_path)
     return {
@@ -388,8 +388,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
     from ..modeling.io import atomic_write_json
+    from ..training.features import load_target
     from .acceptance import encode_conversation, generation_kwargs
-    from .models import eos_token_ids, load_target
+    from .models import eos_token_ids
     from .throughput import (
         bench_table,
         build_baselines,
@@ -406,7 +407,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     assistant = None
     if args.assistant:
         device = next(target.parameters()).device
-        assistant = load_target(args.assistant, device, target.get_input_embeddings().weight.dtype)
+        assistant = load_target(args.assistant, dtype=target.get_input_embeddings().weight.dtype, device=device)
     # First turns only: later turns depend on each method's own answers (identical at T=0, but not in general).
     prompts = [
         encode_conversation(tokenizer, [{"role": "user", "content": p.turns[0]}], settings)[0]

@@ -121,18 +121,6 @@ def resolve_device_dtype(device: str | None, dtype: str | None) -> tuple[torch.d
     return dev, dtypes[dtype]
 
 
-def load_target(path: str, device: torch.device, dtype: torch.dtype):
-    """The target as ``AutoModelForCausalLM.from_pretrained`` loads it, in eval mode.
-
-    The MTP ignore regex is fitted to the checkpoint's depth (Transformers hard-codes the release depth for
-    DeepSeek-V3/GLM); that is also where Transformers' ``MtpModel`` (``use_mtp=True``) finds the MTP tensors.
-    """
-    from ..modeling.native_mtp import load_target_checkpoint
-
-    target = load_target_checkpoint(path, dtype=dtype)
-    return target.to(device).eval()
-
-
 def load_tokenizer(path: str):
     """The target tokenizer (``AutoTokenizer``), with a pad token (EOS) if it has none."""
     from transformers import AutoTokenizer

@@ -65,12 +65,18 @@ def freeze(module: nn.Module) -> nn.Module:
 
 
 def load_target(
-    path: str | os.PathLike, dtype: torch.dtype | str = "auto", device: str | None = None
+    path: str | os.PathLike,
+    dtype: torch.dtype | str = "auto",
+    device: str | torch.device | dict[str, Any] | None = None,
 ) -> PreTrainedModel:
-    """Load a target causal LM for feature extraction (frozen, eval mode).
+    """The target causal LM, frozen and in eval mode: what training, feature extraction, regeneration and evaluation
+    all load (the one loader; evaluation imports it from here).
 
-    ``path`` may be ``bundled`` for the project's bundled target. MTP tensors are skipped silently, including at
-    depths where Transformers' hard-coded ignore patterns do not match.
+    ``path`` may be ``bundled`` for the project's bundled target. ``dtype``: a ``torch.dtype`` or ``"auto"`` (the
+    checkpoint's). ``device``: where the weights are loaded (Transformers' ``device_map``: a device, or ``"auto"``
+    to spread a big target over this process's GPUs); None keeps Transformers' default (CPU). MTP tensors are
+    skipped silently, including at depths where Transformers' hard-coded ignore patterns do not match; the instance
+    keeps the fitted patterns, where Transformers' ``MtpModel`` (``use_mtp=True``) finds the MTP tensors.
     """
     kwargs: dict[str, Any] = {"dtype": dtype}
     if device is not None:
