@@ -30,7 +30,7 @@ from transformers import AutoTokenizer
 from dmtp_hf.evaluation.prompts import load_bundled_set, load_prompt_file
 
 REPO = Path(__file__).resolve().parents[3]
-BUNDLE = REPO / "src" / "dmtp_hf" / "bundled" / "models" / "smollm2"
+BUNDLE = REPO / "assets" / "dmtp_hf_assets" / "models" / "smollm2"  # the repository-local assets package
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 HERE = Path(__file__).resolve().parent
 SETS = ["gsm8k", "humaneval", "mt_bench", "alpaca", "heldout_code", "heldout_chat"]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[3]
-BUNDLE = REPO / "src" / "dmtp_hf" / "bundled" / "models" / "smollm2"
+BUNDLE = REPO / "assets" / "dmtp_hf_assets" / "models" / "smollm2"  # the repository-local assets package
 HF_PYTHON = os.environ.get("DMTP_HF_PYTHON", str(REPO / ".venv" / "bin" / "python"))
 TARGET = Path(os.environ.get("DMTP_VLLM_TARGET", Path.home() / ".cache" / "dmtp_hf" / "smollm2"))
 DATA = REPO / "src" / "dmtp_hf" / "evaluation" / "data"
