@@ -49,13 +49,6 @@ class GroupedDynamicCausalConv(nn.Module):
         self.base_kernel = nn.Parameter(torch.zeros(2, self.taps, hidden))
         self.kernel_projection = nn.Linear(hidden, 2 * self.taps * (hidden // self.group_size), bias=False)
 
-    def reset_identity(self) -> None:
-        """Tap 0 = 1, everything else 0: both convolutions return their input exactly."""
-        with torch.no_grad():
-            self.base_kernel.zero_()
-            self.base_kernel[:, 0] = 1.0
-            self.kernel_projection.weight.zero_()
-
     def _convolve(self, x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
         """``x`` ``[B, Q, H]`` (Q = whole blocks), ``dynamic`` ``[B, Q, k, G]``, ``base`` ``[k, H]``."""
         batch, length, hidden = x.shape
