@@ -14,12 +14,11 @@ from typing import Any
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from ..modeling.native_mtp.hidden import TargetHiddenExtractor
 from .accept.processing import TokenSelector
 from .drafters.base import Drafter
 from .generate import ROUTER_ORIGINAL
 from .stats import SpecStats
-from .target.step import TargetStep
+from .target.step import DrafterInputs, TargetStep
 
 
 class DMTPCandidateGenerator(CandidateGenerator):
@@ -37,9 +36,8 @@ class DMTPCandidateGenerator(CandidateGenerator):
         drafter.reserve(generation_config.max_length + 1)  # fixed-slot state is sized for the whole call
         self.do_sample = bool(generation_config.do_sample)
         self.select = TokenSelector(logits_processor, self.do_sample)
-        self.hidden_indices = [i + 1 for i in drafter.target_layer_ids()] if drafter.needs_features else []
-        self.model_kwargs_overrides = {"output_hidden_states": self.hidden_indices or [-1]}
-        self.extractor = TargetHiddenExtractor(target, drafter.hidden_input) if drafter.needs_mtp_hidden else None
+        self.drafter_inputs = DrafterInputs(target, drafter)
+        self.model_kwargs_overrides = {"output_hidden_states": self.drafter_inputs.hidden_indices or [-1]}
         self.stats = SpecStats(drafter.num_candidates, drafter.name)
         self.request = self.stats.new_request()
         self.started = False
@@ -61,10 +59,7 @@ class DMTPCandidateGenerator(CandidateGenerator):
         else:  # outputs of the last verify: [A, T1..TK], of which n_last_matches + 1 rows are history now
             rows = n_last_matches + 1
             start = input_ids.shape[1] - n_last_matches - 2
-        features = None
-        if self.hidden_indices:
-            features = torch.cat([model_outputs.hidden_states[i][:, :rows] for i in self.hidden_indices], dim=-1)
-        mtp_hidden = self.extractor()[:, :rows] if self.extractor is not None else None
+        features, mtp_hidden = self.drafter_inputs.read(model_outputs, rows)
         positions = torch.arange(start, start + rows, device=input_ids.device)[None]
         step = TargetStep(positions, input_ids[:, start + 1 :], None, mtp_hidden, features)
         if self.started:
@@ -79,14 +74,11 @@ class DMTPCandidateGenerator(CandidateGenerator):
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
         """Record the round's acceptance (the candidate budget itself is fixed)."""
-        self.request.rounds += 1
-        self.request.hist[int(num_matches)] += 1
-        self.request.round_tokens += int(num_matches) + 1
+        self.request.add_round(int(num_matches), int(num_matches) + 1)
 
     def close(self) -> None:
         """Detach the hidden-state hook from the target."""
-        if self.extractor is not None:
-            self.extractor.remove()
+        self.drafter_inputs.close()
 
 
 def generate_with_transformers_loop(

@@ -28,7 +28,6 @@ import torch
 from transformers import CompileConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.cache_utils import Cache, DynamicCache
 
-from ..modeling.native_mtp.hidden import TargetHiddenExtractor
 from .accept.batch import Accepted, ActiveBatch, RoundHost, StepOutputs
 from .accept.processing import RowProcessors, TokenSelector
 from .accept.stopping import RowStopping
@@ -37,7 +36,7 @@ from .drafters.base import Drafter
 from .stats import RequestStats, SpecStats
 from .target.cache import TargetCacheState, new_static_cache, static_capacity
 from .target.linear_attention import has_gated_delta_net, verify_kernel_kwargs
-from .target.step import TargetStep
+from .target.step import DrafterInputs, TargetStep
 from .widths import check_verify_length, width_policy
 
 SAMPLED_DRAFTS = ("rejection", "block")  # verification modes that need the distribution each candidate came from
@@ -57,8 +56,7 @@ class TargetRunner:
         # compiled decoding may already hold on the same compiled call (past it, a width would silently run eager)
         self.verify_call = target.get_compiled_call(compile_config) if compile_config is not None else target
         self.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * (drafter.num_candidates + 2))
-        self.hidden_indices = [i + 1 for i in drafter.target_layer_ids()] if drafter.needs_features else []
-        self.mtp_extractor = TargetHiddenExtractor(target, drafter.hidden_input) if drafter.needs_mtp_hidden else None
+        self.drafter_inputs = DrafterInputs(target, drafter)
         self.linear_attention = has_gated_delta_net(target)
 
     def forward(
@@ -73,15 +71,13 @@ class TargetRunner:
             attention_mask=attention_mask,
             cache=self.cache,
             use_cache=True,
-            output_hidden_states=(self.hidden_indices or None) if capture else None,
+            output_hidden_states=(self.drafter_inputs.hidden_indices or None) if capture else None,
             logits_to_keep=logits_to_keep,
             **kernel_kwargs,
         )
-        features = mtp_hidden = None
-        if capture and self.hidden_indices:
-            features = torch.cat([out.hidden_states[i] for i in self.hidden_indices], dim=-1)
-        if capture and self.mtp_extractor is not None:
-            mtp_hidden = self.mtp_extractor()
+        if not capture:
+            return out.logits, None, None
+        features, mtp_hidden = self.drafter_inputs.read(out)
         return out.logits, features, mtp_hidden
 
     def verify(self, input_ids: torch.Tensor, positions: torch.Tensor, attention_mask=None):
@@ -97,8 +93,7 @@ class TargetRunner:
 
     def close(self) -> None:
         """Detach the MTP-hidden hook."""
-        if self.mtp_extractor is not None:
-            self.mtp_extractor.remove()
+        self.drafter_inputs.close()
 
 
 def accept(verdict, candidates: torch.Tensor, scores: torch.Tensor, batch: ActiveBatch, stopping: RowStopping):
@@ -176,9 +171,7 @@ def report(requests: list[RequestStats], rows: list[int], host: RoundHost, round
         streamer.put(round_.new_tokens[0, : host.counts[0]].cpu())
     for row, accepted, count in zip(rows, host.accepted, host.counts, strict=True):
         if count:
-            requests[row].rounds += 1
-            requests[row].hist[accepted] += 1
-            requests[row].round_tokens += count
+            requests[row].add_round(accepted, count)
 
 
 def check_inputs(

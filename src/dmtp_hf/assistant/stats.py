@@ -37,6 +37,13 @@ class RequestStats:
         if not self.hist:
             self.hist = [0] * (self.num_candidates + 1)
 
+    def add_round(self, accepted: int, committed: int) -> None:
+        """A verify round that accepted ``accepted`` candidates and committed ``committed`` tokens (bonus included,
+        clipped at EOS or the length limit)."""
+        self.rounds += 1
+        self.hist[accepted] += 1
+        self.round_tokens += committed
+
     @property
     def acceptance_length(self) -> float:
         """Tokens committed per verify round for this request (bonus included)."""

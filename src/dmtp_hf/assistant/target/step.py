@@ -1,4 +1,5 @@
-"""`TargetStep`: what the target just committed, the one thing drafters learn from the target."""
+"""`TargetStep`: what the target just committed, the one thing drafters learn from the target; `DrafterInputs`:
+what of a target forward a drafter reads (both the engine's round and Transformers' assisted loop use it)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
+
+from ...modeling.native_mtp.hidden import TargetHiddenExtractor
 
 
 @dataclass
@@ -76,3 +79,29 @@ class TargetStep:
             return None if any(p is None for p in parts) else torch.cat(parts, dim=1)
 
         return TargetStep(cat("positions"), cat("next_tokens"), mask, cat("mtp_hidden"), cat("features"), num_valid)
+
+
+class DrafterInputs:
+    """What a drafter reads from each target forward: the context features (the hidden states after its
+    ``target_layer_ids``, concatenated) and the hidden state the MTP head reads (captured by a hook on the target).
+    Only what the drafter needs is asked for; call :meth:`close` to detach the hook."""
+
+    def __init__(self, target, drafter) -> None:
+        # hidden_states[0] is the embedding output, so layer i's output is hidden_states[i + 1]
+        self.hidden_indices = [i + 1 for i in drafter.target_layer_ids()] if drafter.needs_features else []
+        self.extractor = TargetHiddenExtractor(target, drafter.hidden_input) if drafter.needs_mtp_hidden else None
+
+    def read(self, outputs, rows: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(features [B, n, k*H], mtp_hidden [B, n, H])`` of the forward that produced ``outputs`` (its first
+        ``rows`` positions when given), ``None`` for what the drafter does not read."""
+        features = mtp_hidden = None
+        if self.hidden_indices:
+            features = torch.cat([outputs.hidden_states[i][:, :rows] for i in self.hidden_indices], dim=-1)
+        if self.extractor is not None:
+            mtp_hidden = self.extractor()[:, :rows]
+        return features, mtp_hidden
+
+    def close(self) -> None:
+        """Detach the MTP-hidden hook."""
+        if self.extractor is not None:
+            self.extractor.remove()
