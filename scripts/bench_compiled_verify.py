@@ -63,8 +63,11 @@ def forward_costs(target, widths: list[int], context: int, repeats: int) -> dict
     with torch.no_grad():
         target(input_ids=prompt, cache=static, use_cache=True, logits_to_keep=1)
         for width in widths:
-            step = {"input_ids": prompt[:, :width], "position_ids": torch.arange(context, context + width)[None],
-                    "use_cache": True}  # fmt: skip
+            step = {
+                "input_ids": prompt[:, :width],
+                "position_ids": torch.arange(context, context + width)[None],
+                "use_cache": True,
+            }
             rows["compile_seconds"][str(width)] = _timed_static(compiled, static, **step)
             _timed_static(compiled, static, **step)
             eager = []
@@ -73,11 +76,14 @@ def forward_costs(target, widths: list[int], context: int, repeats: int) -> dict
                 target(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1)
                 eager.append(_timed(target, cache=cache, **step))
             rows["eager"][str(width)] = statistics.median(eager)
-            rows["compiled"][str(width)] = statistics.median(_timed_static(compiled, static, **step)
-                                                             for _ in range(repeats))  # fmt: skip
-            print(f"width {width}: eager {1e3 * rows['eager'][str(width)]:.2f} ms, compiled "
-                  f"{1e3 * rows['compiled'][str(width)]:.2f} ms (compile {rows['compile_seconds'][str(width)]:.0f} s)",
-                  flush=True)  # fmt: skip
+            rows["compiled"][str(width)] = statistics.median(
+                _timed_static(compiled, static, **step) for _ in range(repeats)
+            )
+            print(
+                f"width {width}: eager {1e3 * rows['eager'][str(width)]:.2f} ms, compiled "
+                f"{1e3 * rows['compiled'][str(width)]:.2f} ms (compile {rows['compile_seconds'][str(width)]:.0f} s)",
+                flush=True,
+            )
     return rows
 
 
@@ -88,14 +94,18 @@ def end_to_end(target, draft, tokenizer, prompts: list[str], max_new_tokens: int
     common = {"do_sample": False, "max_new_tokens": max_new_tokens, "min_new_tokens": max_new_tokens}
     ways = {
         "plain": lambda ids: target.generate(ids, **common),
-        "plain_compiled": lambda ids: target.generate(ids, cache_implementation="static",
-                                                      compile_config=compile_plain, **common),
+        "plain_compiled": lambda ids: target.generate(
+            ids, cache_implementation="static", compile_config=compile_plain, **common
+        ),
         "speculative": lambda ids: dmtp_generate(target, ids, draft, **common),
         "speculative_compiled": lambda ids: dmtp_generate(target, ids, draft, compile=True, **common),
-    }  # fmt: skip
-    encoded = [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                             return_tensors="pt", return_dict=True)["input_ids"]
-               for text in prompts]  # fmt: skip
+    }
+    encoded = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"]
+        for text in prompts
+    ]
     results, references = {name: {"seconds": [], "identical": True} for name in ways}, []
     # One way at a time over every prompt: a compiled forward shared by two ways (the same CompileConfig) would
     # otherwise recompile each time they alternate (cache sizes and the MTP-hidden hook are guarded on).
@@ -146,9 +156,14 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     draft = DMTPDraftModel.from_pretrained(args.draft).bind(target)
     widths = [int(w) for w in args.widths.split(",")]
-    report = {"target": str(args.target), "draft": str(args.draft), "threads": torch.get_num_threads(),
-              "compile_config": compiled_verify_config(target, True).to_dict(),
-              "max_new_tokens": args.max_new_tokens, "cold_compile": not args.keep_compile_cache}  # fmt: skip
+    report = {
+        "target": str(args.target),
+        "draft": str(args.draft),
+        "threads": torch.get_num_threads(),
+        "compile_config": compiled_verify_config(target, True).to_dict(),
+        "max_new_tokens": args.max_new_tokens,
+        "cold_compile": not args.keep_compile_cache,
+    }
     if not args.skip_forward:
         report["forward"] = forward_costs(target, widths, args.context, args.repeats)
         torch._dynamo.reset()
@@ -157,9 +172,11 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     base = report["end_to_end"]["plain"]["warm_tokens_per_second"]
     for name, row in report["end_to_end"].items():
-        print(f"| {name} | {row['first_seconds']:.1f} | {row['warm_tokens_per_second']:.1f} | "
-              f"{row['warm_tokens_per_second'] / base:.2f}× | {row['tokens_per_second_with_warmup']:.1f} | "
-              f"{row['identical']} |")  # fmt: skip
+        print(
+            f"| {name} | {row['first_seconds']:.1f} | {row['warm_tokens_per_second']:.1f} | "
+            f"{row['warm_tokens_per_second'] / base:.2f}× | {row['tokens_per_second_with_warmup']:.1f} | "
+            f"{row['identical']} |"
+        )
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2))
     print(f"wrote {args.output}")

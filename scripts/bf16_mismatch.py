@@ -43,15 +43,22 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("mt_bench", "humaneval"):
         for prompt in load_bundled_set(name, limit=(args.limit + 1) // 2).prompts:
             messages = [{"role": "user", "content": prompt.turns[0]}]
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                                return_dict=True)["input_ids"]  # fmt: skip
+            ids = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+            )["input_ids"]
             prompts.append(ids.to(args.device))
     differ, matched, compared, first = 0, 0, 0, []
     with torch.no_grad():
         for ids in prompts[: args.limit]:
             plain = target.generate(ids, do_sample=False, max_new_tokens=args.max_new_tokens)[0, ids.shape[1] :]
-            ours = dmtp_hf.generate(target, ids, draft, strategy=None if args.strategy != "mtp" else "mtp",
-                                    do_sample=False, max_new_tokens=args.max_new_tokens)[0, ids.shape[1] :]  # fmt: skip
+            ours = dmtp_hf.generate(
+                target,
+                ids,
+                draft,
+                strategy=None if args.strategy != "mtp" else "mtp",
+                do_sample=False,
+                max_new_tokens=args.max_new_tokens,
+            )[0, ids.shape[1] :]
             length = min(plain.shape[0], ours.shape[0])
             same = (plain[:length] == ours[:length]).long()
             diverge = int(same.cumprod(0).sum())  # tokens before the first difference

@@ -128,9 +128,11 @@ def build_prompts(tokenizer, count: int, vocab: int, device: torch.device) -> li
     for name in ("mt_bench", "humaneval"):
         for prompt in load_bundled_set(name, limit=(count + 1) // 2).prompts:
             text = tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt.turns[0]}], tokenize=False, add_generation_prompt=True,
+                [{"role": "user", "content": prompt.turns[0]}],
+                tokenize=False,
+                add_generation_prompt=True,
                 enable_thinking=False,
-            )  # fmt: skip
+            )
             prompts.append(tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids.to(device))
     return prompts[:count]
 
@@ -180,10 +182,18 @@ def check_correctness(models, prompts, kwargs, device) -> tuple[dict, int]:
             replayed = device.type != "cuda" or (graphs["replays"] > 0 and not graphs["failures"])
             ok = same_eager == len(prompts) and replayed
             failures += not ok
-            results[name] = {"graph_equals_eager": same_eager, "equals_generate": same_generate,
-                             "prompts": len(prompts), "graphs": graphs, "ok": ok}  # fmt: skip
-            print(f"[{'PASS' if ok else 'FAIL'}] {name}: graph == eager on {same_eager}/{len(prompts)} prompts, "
-                  f"== plain generate on {same_generate}/{len(prompts)}; graphs {graphs}", flush=True)  # fmt: skip
+            results[name] = {
+                "graph_equals_eager": same_eager,
+                "equals_generate": same_generate,
+                "prompts": len(prompts),
+                "graphs": graphs,
+                "ok": ok,
+            }
+            print(
+                f"[{'PASS' if ok else 'FAIL'}] {name}: graph == eager on {same_eager}/{len(prompts)} prompts, "
+                f"== plain generate on {same_generate}/{len(prompts)}; graphs {graphs}",
+                flush=True,
+            )
     fallbacks = [str(w.message) for w in caught if "CUDA graph capture failed" in str(w.message)]
     if fallbacks:
         failures += 1
@@ -196,8 +206,12 @@ def measure_stages(models, prompts, kwargs) -> dict:
     """Section 2: synchronised ms per round of every stage, for each method."""
     target, _, dmtp, dflash, _ = models
     fast = drafters(dmtp, dflash)
-    methods = {"dflash (fast)": fast["dflash"], "dmtp (dynamic, eager)": DMTPDrafter(dmtp, dmtp.native_mtp),
-               "dmtp (fast)": fast["dmtp"], "mtp1 (fast)": fast["mtp1"]}  # fmt: skip
+    methods = {
+        "dflash (fast)": fast["dflash"],
+        "dmtp (dynamic, eager)": DMTPDrafter(dmtp, dmtp.native_mtp),
+        "dmtp (fast)": fast["dmtp"],
+        "mtp1 (fast)": fast["mtp1"],
+    }
     rows = {}
     with torch.no_grad():
         for label, drafter in methods.items():
@@ -214,9 +228,14 @@ def measure_stages(models, prompts, kwargs) -> dict:
             row["capture_seconds"] = graph_report(drafter)["capture_seconds"]
             rows[label] = row
     print(f"\n{'stage (ms/round)':36s}" + "".join(f"{label:>24s}" for label in rows))
-    for key, title in [*STAGE_TITLES.items(), ("round", "whole round"), ("stage_sum", "sum of stages"),
-                       ("mtp_t1_share", "MTP + T1 share of the round"), ("acceptance_length", "tokens per round"),
-                       ("capture_seconds", "graph capture (s, once)")]:  # fmt: skip
+    for key, title in [
+        *STAGE_TITLES.items(),
+        ("round", "whole round"),
+        ("stage_sum", "sum of stages"),
+        ("mtp_t1_share", "MTP + T1 share of the round"),
+        ("acceptance_length", "tokens per round"),
+        ("capture_seconds", "graph capture (s, once)"),
+    ]:
         cells = [f"{100 * r[key]:23.1f}%" if key == "mtp_t1_share" else f"{r[key]:24.3f}" for r in rows.values()]
         print(f"{title:36s}" + "".join(cells), flush=True)
     return rows
@@ -295,8 +314,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n=== {spec}: {models[4]} ({device}, {dtype})", flush=True)
             prompts = build_prompts(tokenizer, args.prompts, target.config.get_text_config().vocab_size, device)
             eos = eos_token_ids(target, tokenizer) if tokenizer is not None else None
-            kwargs = {"max_new_tokens": args.max_new_tokens, "do_sample": False, "temperature": None, "top_p": None,
-                      "top_k": None, "eos_token_id": eos or None, "pad_token_id": eos[0] if eos else 0}  # fmt: skip
+            kwargs = {
+                "max_new_tokens": args.max_new_tokens,
+                "do_sample": False,
+                "temperature": None,
+                "top_p": None,
+                "top_k": None,
+                "eos_token_id": eos or None,
+                "pad_token_id": eos[0] if eos else 0,
+            }
             sections = {
                 "correctness": lambda m, p, k: check_correctness(m, p, k, device),
                 "stages_ms_per_round": lambda m, p, k: (measure_stages(m, p, k), 0),

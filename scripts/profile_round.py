@@ -23,18 +23,23 @@ import dmtp_hf
 from dmtp_hf.bundled import default_paths
 from dmtp_hf.evaluation.prompts import load_bundled_set
 
-STRATEGIES = {"dmtp": ("dmtp", "dmtp", 1), "dflash": ("dflash", "dflash", 1), "mtp1": ("dmtp", "mtp", 1),
-              "mtp4": ("dmtp", "mtp", 4)}  # fmt: skip
+STRATEGIES = {
+    "dmtp": ("dmtp", "dmtp", 1),
+    "dflash": ("dflash", "dflash", 1),
+    "mtp1": ("dmtp", "mtp", 1),
+    "mtp4": ("dmtp", "mtp", 4),
+}
 STAGES = ["prefill", "draft_prefill", "mtp", "t1", "mtp_step", "dflash", "verify", "commit", "rollback"]
 
 
 def _prompts(tokenizer, count: int) -> list[torch.Tensor]:
     turns = [prompt.turns[0] for prompt in load_bundled_set("humaneval", limit=count).prompts]
     return [
-        tokenizer.apply_chat_template([{"role": "user", "content": turn}], add_generation_prompt=True,
-                                      return_tensors="pt", return_dict=True)["input_ids"]
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": turn}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"]
         for turn in turns
-    ]  # fmt: skip
+    ]
 
 
 def _run(target, prompts, max_new_tokens: int, drafter=None, strategy=None, mtp_steps=1):
@@ -46,8 +51,9 @@ def _run(target, prompts, max_new_tokens: int, drafter=None, strategy=None, mtp_
             if drafter is None:
                 out = target.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False)
             else:
-                out = dmtp_hf.generate(target, input_ids, drafter, strategy=strategy, mtp_steps=mtp_steps,
-                                       max_new_tokens=max_new_tokens)  # fmt: skip
+                out = dmtp_hf.generate(
+                    target, input_ids, drafter, strategy=strategy, mtp_steps=mtp_steps, max_new_tokens=max_new_tokens
+                )
             new_tokens += out.shape[1] - input_ids.shape[1]
         seconds = time.perf_counter() - start
     return seconds, new_tokens, prof

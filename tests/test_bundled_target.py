@@ -116,16 +116,24 @@ def test_pretrain_saves_verifies_and_resumes(tokenizer, tmp_path):
     assert state["step"] == 3 and max(state["verify"].values()) <= 1e-4
     assert (tmp_path / "model" / "tokenizer.json").exists()
 
-    resumed = pretrain(PretrainConfig(output_dir=str(tmp_path), max_steps=5, save_every=5, eval_every=5,
-                                      **config_kwargs), tokens, tokens, tokenizer)  # fmt: skip
+    resumed = pretrain(
+        PretrainConfig(output_dir=str(tmp_path), max_steps=5, save_every=5, eval_every=5, **config_kwargs),
+        tokens,
+        tokens,
+        tokenizer,
+    )
     assert resumed["step"] == 5 and resumed["tokens_seen"] == 5 * 2 * 24
 
     # The bf16 export reloads through the public path and matches the training modules rounded to bf16.
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
     assert loaded.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="settings differ"):
-        pretrain(PretrainConfig(output_dir=str(tmp_path), max_steps=6, **{**config_kwargs, "lr": 1e-3}), tokens,
-                 tokens, tokenizer)  # fmt: skip
+        pretrain(
+            PretrainConfig(output_dir=str(tmp_path), max_steps=6, **{**config_kwargs, "lr": 1e-3}),
+            tokens,
+            tokens,
+            tokenizer,
+        )
 
 
 def test_verify_detects_a_wrong_checkpoint(tmp_path):

@@ -32,10 +32,13 @@ def test_current_zlab_qwen35_dflash_sliding_layers_are_causal_in_the_block(tmp_p
     # rope_parameters; no embedding, no LM head.
     write_dflash_checkpoint(tmp_path, num_layers=6, target_layer_ids=(0, 1, 2, 3), sliding=True)
     config = rewrite_config(
-        tmp_path, block_size=None, rope_theta=None,
+        tmp_path,
+        block_size=None,
+        rope_theta=None,
         dflash_config={"block_size": 16, "mask_token_id": VOCAB - 1, "target_layer_ids": [0, 1, 2, 3]},
-        rope_parameters={"rope_theta": 10000000.0, "rope_type": "default"}, sliding_window=4096,
-    )  # fmt: skip
+        rope_parameters={"rope_theta": 10000000.0, "rope_type": "default"},
+        sliding_window=4096,
+    )
     assert config["layer_types"] == ["sliding_attention"] * 5 + ["full_attention"]
     draft = DMTPDraftModel.from_pretrained(tmp_path, target=target, anchor_layout="dflash")
     assert draft.config.block_size == 16 and draft.config.target_layer_ids == [0, 1, 2, 3]
@@ -96,9 +99,16 @@ def test_incomplete_dflash2_config_is_refused_naming_what_is_missing(tmp_path):
     tensors["candidate_selector.hidden_projection.weight"] = torch.zeros(4, HIDDEN)
     tensors["layers.0.attention_conv.base_kernel"] = torch.zeros(2, HIDDEN)
     save_file(tensors, str(tmp_path / "model.safetensors"))
-    rewrite_config(tmp_path, architectures=["DFlash2DraftModel"],
-                   dflash_config={"mask_token_id": VOCAB - 1, "target_layer_ids": [0, 2], "selector_top_k": 16,
-                                  "conv_kernel_size": 2})  # fmt: skip
+    rewrite_config(
+        tmp_path,
+        architectures=["DFlash2DraftModel"],
+        dflash_config={
+            "mask_token_id": VOCAB - 1,
+            "target_layer_ids": [0, 2],
+            "selector_top_k": 16,
+            "conv_kernel_size": 2,
+        },
+    )
     with pytest.raises(ValueError, match="DFlash2 needs .*conv_group_size=None.*selector_rank=None"):
         DMTPDraftModel.from_pretrained(tmp_path)
 

@@ -51,8 +51,14 @@ def test_compiled_verify_through_target_generate_at_every_width(targets):
     prompt = torch.tensor([[5, 17, 42, 9]])
     reference = target.generate(prompt, do_sample=False, max_new_tokens=16)
     for width in [2, 0]:
-        out = target.generate(prompt, assistant_model=draft, do_sample=False, max_new_tokens=16,
-                              dmtp_compile=TRACE_ONLY, dmtp_verify_length=width)  # fmt: skip
+        out = target.generate(
+            prompt,
+            assistant_model=draft,
+            do_sample=False,
+            max_new_tokens=16,
+            dmtp_compile=TRACE_ONLY,
+            dmtp_verify_length=width,
+        )
         assert torch.equal(out, reference), width
 
 

@@ -42,18 +42,25 @@ def test_user_processors_and_prefix_constraints_match_plain_generate(bundled, ro
 @pytest.mark.parametrize(
     "option,value",
     [
-        ("num_beams", 2), ("num_beam_groups", 2), ("guidance_scale", 1.5), ("penalty_alpha", 0.6),
-        ("prompt_lookup_num_tokens", 3), ("use_mtp", True), ("output_hidden_states", True),
-        ("output_attentions", True), ("dola_layers", "high"),
+        ("num_beams", 2),
+        ("num_beam_groups", 2),
+        ("guidance_scale", 1.5),
+        ("penalty_alpha", 0.6),
+        ("prompt_lookup_num_tokens", 3),
+        ("use_mtp", True),
+        ("output_hidden_states", True),
+        ("output_attentions", True),
+        ("dola_layers", "high"),
     ],
-)  # fmt: skip
+)
 def test_options_that_cannot_be_exact_are_refused_naming_them(bundled, option, value):  # noqa: F811
     target, draft, _, batch = bundled
     assert option in REFUSED_OPTIONS
     extra = {"num_beams": 4} if option == "num_beam_groups" else {}
     with pytest.raises(ValueError, match=rf"^{option}=.*not supported with assistant_model"):
-        target.generate(**batch, assistant_model=draft, max_new_tokens=4, return_dict_in_generate=True,
-                        **{option: value}, **extra)  # fmt: skip
+        target.generate(
+            **batch, assistant_model=draft, max_new_tokens=4, return_dict_in_generate=True, **{option: value}, **extra
+        )
     with pytest.raises(ValueError, match="inputs_embeds"):
         embeds = target.get_input_embeddings()(batch["input_ids"][:1])
         target.generate(inputs_embeds=embeds, assistant_model=draft, max_new_tokens=4)
@@ -63,8 +70,9 @@ def test_options_that_cannot_be_exact_are_refused_naming_them(bundled, option, v
 def test_scores_and_logits_are_returned_as_plain_generate_returns_them(bundled, rows):  # noqa: F811
     target, draft, _, batch = bundled
     inputs = {k: v[:rows] for k, v in batch.items()}
-    options = dict(do_sample=False, max_new_tokens=20, output_scores=True, output_logits=True,
-                   return_dict_in_generate=True)  # fmt: skip
+    options = dict(
+        do_sample=False, max_new_tokens=20, output_scores=True, output_logits=True, return_dict_in_generate=True
+    )
     plain = target.generate(**inputs, **options)
     ours = target.generate(**inputs, assistant_model=draft, **options)
     assert torch.equal(plain.sequences, ours.sequences)

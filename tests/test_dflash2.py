@@ -60,10 +60,14 @@ def write_zlab_dflash2(path, target) -> dict[str, torch.Tensor]:
         "num_target_layers": text.num_hidden_layers,
         "tie_word_embeddings": False,
         "dflash_config": {
-            "block_size": 16, **SELECTOR, "output_multiplier": 0.5, "final_logit_softcapping": 20.0,
-            "mask_token_id": text.vocab_size - 1, "target_layer_ids": [0, text.num_hidden_layers - 1],
+            "block_size": 16,
+            **SELECTOR,
+            "output_multiplier": 0.5,
+            "final_logit_softcapping": 20.0,
+            "mask_token_id": text.vocab_size - 1,
+            "target_layer_ids": [0, text.num_hidden_layers - 1],
         },
-    }  # fmt: skip
+    }
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config))
     save_file(tensors, str(path / "model.safetensors"))
@@ -120,8 +124,9 @@ def test_dflash2_decodes_exactly_plain_generate(targets, strategy):
         drafter = (DFlashDrafter if strategy == "dflash" else lambda d, **k: DMTPDrafter(d, d.native_mtp, **k))(
             draft, fixed_shapes=fast
         )
-        out, stats = speculative_decode(target, ids[:1], OracleMix(drafter, plain_one, seed=1),
-                                        max_length=plain_one.shape[1])  # fmt: skip
+        out, stats = speculative_decode(
+            target, ids[:1], OracleMix(drafter, plain_one, seed=1), max_length=plain_one.shape[1]
+        )
         assert torch.equal(out, plain_one) and sum(stats.hist[1:]) > 0, (strategy, fast)
         plain = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16, pad_token_id=0)
         out, _ = speculative_decode(target, ids, drafter, max_length=width + 16, attention_mask=mask, pad_token_id=0)
@@ -157,8 +162,15 @@ def test_dflash2_walk_samples_the_targets_distribution(vocab6):
     """Rejection sampling with the walk's q (zero outside its top-3 candidates): the output keeps the target's
     distribution, and the sparse q is what makes it exact."""
     target, prompt, steps, runs = vocab6, torch.tensor([[1, 2, 0]]), 2, 700
-    draft = dflash2_draft(target, top_k=3, anchor_layout="dflash", fusion="none", num_candidates=3,
-                          num_hidden_layers=1, target_layer_ids=[0])  # fmt: skip
+    draft = dflash2_draft(
+        target,
+        top_k=3,
+        anchor_layout="dflash",
+        fusion="none",
+        num_candidates=3,
+        num_hidden_layers=1,
+        target_layer_ids=[0],
+    )
     exact = exact_distribution(target, prompt, steps, TEMPERATURE)
     counts, accepted = sample_rejection(target, prompt, DFlashDrafter(draft), steps, runs, seed=7)
     assert accepted > runs // 20

@@ -105,8 +105,9 @@ def test_greedy_output_is_plain_generates_with_a_draft_vocabulary(targets, famil
 def test_sampled_output_keeps_the_targets_distribution_with_a_pruned_q(vocab6):
     """Rejection sampling with a draft over 3 of 6 tokens (q = 0 on the others): exact in distribution."""
     target, prompt, steps, runs = vocab6, torch.tensor([[1, 2, 0]]), 2, 700
-    draft = draft_for(target, anchor_layout="dflash", fusion="none", num_candidates=3, target_layer_ids=[0],
-                      draft_vocab_size=3)  # fmt: skip
+    draft = draft_for(
+        target, anchor_layout="dflash", fusion="none", num_candidates=3, target_layer_ids=[0], draft_vocab_size=3
+    )
     set_draft_vocabulary(draft, [0, 2, 4])
     exact = exact_distribution(target, prompt, steps, TEMPERATURE)
     counts, accepted = sample_rejection(target, prompt, DFlashDrafter(draft), steps, runs, seed=5)
@@ -187,8 +188,15 @@ def test_head_training_builds_its_vocabulary_and_saves_it(tmp_path, target_dir):
 
     target = load_target(target_dir)
     data = synthetic_greedy_dataset(target, 16, 16, seed=3)
-    config = make_config(tmp_path, target_model=str(target_dir), train_mtp_head="only", max_steps=2, save_every=2,
-                         mtp_draft_vocab_size=20, output_dir=str(tmp_path / "head"))  # fmt: skip
+    config = make_config(
+        tmp_path,
+        target_model=str(target_dir),
+        train_mtp_head="only",
+        max_steps=2,
+        save_every=2,
+        mtp_draft_vocab_size=20,
+        output_dir=str(tmp_path / "head"),
+    )
     trainer = Trainer(config, target=target, train_dataset=data)
     assert int(trainer.mtp_head.t2d.sum()) == 20 and 0 < trainer.head_vocab_stats["coverage"] <= 1
     trainer.train()

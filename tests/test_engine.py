@@ -503,8 +503,9 @@ def test_rollback_rebuilds_with_the_kernels_transformers_resolved_for_the_layer(
     prompt = torch.tensor([[5, 17, 42, 9, 77, 3]])
     reference = greedy_reference(target, prompt)
     before = dict(calls)
-    out, stats = speculative_decode(target, prompt, OracleMix(strategies(target)["dmtp"], reference, seed=2),
-                                    max_length=reference.shape[1])  # fmt: skip
+    out, stats = speculative_decode(
+        target, prompt, OracleMix(strategies(target)["dmtp"], reference, seed=2), max_length=reference.shape[1]
+    )
     assert torch.equal(out, reference)
     partial = sum(stats.hist[:-1])  # rounds that rejected some candidate: each rebuilds every layer's state
     assert partial > 0 and calls["recurrent"] - before["recurrent"] >= partial  # the rebuilds (verifies are chunked)
@@ -547,11 +548,21 @@ def test_a_greedy_round_synchronises_with_the_host_once(targets, monkeypatch):
     processors = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.2)])
     for rows in (1, 2):
         for name, drafter in [(n, d) for n, d in strategies(target).items() if n in ("dmtp", "mtp4")]:
-            for options, allowed in (({}, 1), ({"logits_processor": processors}, 1),
-                                     ({"stopping_criteria": [Never()]}, 3)):  # fmt: skip
+            for options, allowed in (
+                ({}, 1),
+                ({"logits_processor": processors}, 1),
+                ({"stopping_criteria": [Never()]}, 3),
+            ):
                 marks = Marks(drafter)
-                speculative_decode(target, ids[:rows], marks, max_length=ids.shape[1] + 16, attention_mask=mask[:rows],
-                                   pad_token_id=0, **options)  # fmt: skip
+                speculative_decode(
+                    target,
+                    ids[:rows],
+                    marks,
+                    max_length=ids.shape[1] + 16,
+                    attention_mask=mask[:rows],
+                    pad_token_id=0,
+                    **options,
+                )
                 per_round = [b - a for a, b in zip(marks.marks, marks.marks[1:])]
                 assert per_round and max(per_round) <= allowed, (name, rows, options, per_round)
 
@@ -603,8 +614,9 @@ def test_the_engines_per_round_bookkeeping_does_not_grow_with_length(targets):
     reference = greedy_reference(target, prompt, max_new_tokens=384, eos_token_id=None)
     drafter = strategies(target)["dflash"]
     stats = PerRound(drafter.num_candidates, "dflash")
-    out, _ = speculative_decode(target, prompt, OracleMix(drafter, reference, seed=3), max_length=reference.shape[1],
-                                stats=stats)  # fmt: skip
+    out, _ = speculative_decode(
+        target, prompt, OracleMix(drafter, reference, seed=3), max_length=reference.shape[1], stats=stats
+    )
     assert torch.equal(out, reference)
     per_round = [a + b for a, b in zip(stats.rounds_elements[::2], stats.rounds_elements[1::2])]  # commit + rollback
     assert len(per_round) > 50 and min(per_round) > 0

@@ -473,9 +473,26 @@ def test_an_interrupted_bench_keeps_the_batch_sizes_it_measured(models_dir, tmp_
 
     monkeypatch.setattr(throughput, "_time_batch_size", interrupted)
     out = tmp_path / "bench"
-    argv = ["bench", "--target", str(models_dir / "target"), "--draft", str(models_dir / "dmtp"), "--strategies",
-            "dmtp", "--datasets", "gsm8k", "--limit", "2", "--max-new-tokens", "4", "--batch-sizes", "1,2",
-            "--output-dir", str(out), "--no-progress"]  # fmt: skip
+    argv = [
+        "bench",
+        "--target",
+        str(models_dir / "target"),
+        "--draft",
+        str(models_dir / "dmtp"),
+        "--strategies",
+        "dmtp",
+        "--datasets",
+        "gsm8k",
+        "--limit",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--batch-sizes",
+        "1,2",
+        "--output-dir",
+        str(out),
+        "--no-progress",
+    ]
     with pytest.raises(KeyboardInterrupt):
         main(argv)
     data = json.loads((out / "bench.json").read_text())

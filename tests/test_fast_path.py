@@ -191,8 +191,11 @@ def test_gpu_check_script_dry_run_on_cpu(tmp_path, capsys):
     report = json.loads(output.read_text())
     assert report["versions"]["torch"] and report["versions"]["transformers"]
     bundled = report["targets"]["bundled"]
-    assert all(r["graph_equals_eager"] == r["prompts"] == 2 and r["ok"] for n, r in bundled["correctness"].items()
-               if n != "fallback_warnings")  # fmt: skip
+    assert all(
+        r["graph_equals_eager"] == r["prompts"] == 2 and r["ok"]
+        for n, r in bundled["correctness"].items()
+        if n != "fallback_warnings"
+    )
     stages = bundled["stages_ms_per_round"]
     assert {"dmtp (fast)", "dmtp (dynamic, eager)", "dflash (fast)", "mtp1 (fast)"} <= set(stages)
     for row in stages.values():  # synchronised stage times add up to the round (CPU: no graph to sync)

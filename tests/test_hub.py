@@ -38,18 +38,38 @@ def pushed(tmp_path_factory):
     """The bundled DMTP draft pushed to a local folder (no upload)."""
     folder = tmp_path_factory.mktemp("hub") / "dmtp-repo"
     paths = default_paths(("target", "dmtp"))
-    argv = ["push", str(paths["dmtp"]), "org/bundled-dmtp", "--local-dir", str(folder), "--no-upload",
-            "--target", "org/target", "--training-data", "the target's regenerated answers"]  # fmt: skip
+    argv = [
+        "push",
+        str(paths["dmtp"]),
+        "org/bundled-dmtp",
+        "--local-dir",
+        str(folder),
+        "--no-upload",
+        "--target",
+        "org/target",
+        "--training-data",
+        "the target's regenerated answers",
+    ]
     assert main(argv) == 0
     return folder, paths["target"]
 
 
 def run_without_package(script: str, tmp_path: Path, *args: str) -> str:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HOME": str(tmp_path / "hf-home")}  # fmt: skip
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_MODULES_CACHE": str(tmp_path / "modules"),
+        "HF_HOME": str(tmp_path / "hf-home"),
+    }
     env.pop("PYTHONPATH", None)
-    run = subprocess.run([sys.executable, "-c", BLOCK_DMTP + textwrap.dedent(script), *args], env=env,
-                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-c", BLOCK_DMTP + textwrap.dedent(script), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-4000:]
     return run.stdout
 
@@ -57,14 +77,17 @@ def run_without_package(script: str, tmp_path: Path, *args: str) -> str:
 def test_the_folder_holds_its_own_code(pushed):
     folder, _ = pushed
     config = json.loads((folder / "config.json").read_text())
-    assert config["auto_map"] == {"AutoConfig": "configuration_dmtp.DMTPConfig",
-                                  "AutoModel": "modeling_dmtp.DMTPDraftModel"}  # fmt: skip
+    assert config["auto_map"] == {
+        "AutoConfig": "configuration_dmtp.DMTPConfig",
+        "AutoModel": "modeling_dmtp.DMTPDraftModel",
+    }
     assert (folder / "configuration_dmtp.py").is_file() and (folder / "modeling_dmtp.py").is_file()
     generate = folder / "custom_generate" / "generate.py"
     assert generate.is_file() and "def generate(model" in generate.read_text()
     requirements = (folder / "custom_generate" / "requirements.txt").read_text()
-    assert re.search(r"^torch>=\d+\.\d+$", requirements, re.M) and re.search(r"^transformers>=5\.24,<5\.25$",
-                                                                             requirements, re.M)  # fmt: skip
+    assert re.search(r"^torch>=\d+\.\d+$", requirements, re.M) and re.search(
+        r"^transformers>=5\.24,<5\.25$", requirements, re.M
+    )
     for file in [*folder.glob("*.py"), *(folder / "custom_generate").glob("*.py")]:
         text = file.read_text()
         assert not re.search(r"^\s*(from|import)\s+dmtp_hf", text, re.M), f"{file.name} imports the package"
@@ -116,8 +139,12 @@ def test_card_header_is_hub_metadata_and_its_snippets_run(pushed, tmp_path):
     assert {"speculative-decoding", "dmtp", "dflash", "mtp"} <= set(data["tags"])
     snippets = re.findall(r"```python\n(.*?)```", card.text, re.S)
     assert len(snippets) == 2
-    local = [s.replace('"org/target"', repr(str(target_path))).replace('"org/bundled-dmtp"', repr(str(folder)))
-             .replace("max_new_tokens=256", "max_new_tokens=24") for s in snippets]  # fmt: skip
+    local = [
+        s.replace('"org/target"', repr(str(target_path)))
+        .replace('"org/bundled-dmtp"', repr(str(folder)))
+        .replace("max_new_tokens=256", "max_new_tokens=24")
+        for s in snippets
+    ]
     installed, remote = local
     namespace: dict = {}
     exec(compile(installed, "card-snippet-installed", "exec"), namespace)  # the package path, in process

@@ -211,8 +211,14 @@ def run_case(fuzz_models, case):
     # Rows accept different numbers of candidates: part of each proposal is the true continuation.
     references = [plain[b, width - len(p) :][plain[b, width - len(p) :] != 0] for b, p in enumerate(case["prompts"])]
     oracle = BatchOracle(drafter, references, seed=case["oracle_seed"])
-    ours = target.generate(ids, attention_mask=mask, assistant_model=oracle, do_sample=False,
-                           dmtp_verify_length=case["verify_length"], **options)  # fmt: skip
+    ours = target.generate(
+        ids,
+        attention_mask=mask,
+        assistant_model=oracle,
+        do_sample=False,
+        dmtp_verify_length=case["verify_length"],
+        **options,
+    )
     return plain, ours
 
 
@@ -287,9 +293,14 @@ def sample_rejection(target, prompt, drafter, steps: int, runs: int, seed: int, 
     torch.manual_seed(seed)
     for _ in range(runs):
         out, stats = speculative_decode(
-            target, prompt, drafter, max_length=prompt.shape[1] + steps, do_sample=True,
-            logits_processor=processors if processors is not None else TEMPERATURE, verify_mode="rejection",
-        )  # fmt: skip
+            target,
+            prompt,
+            drafter,
+            max_length=prompt.shape[1] + steps,
+            do_sample=True,
+            logits_processor=processors if processors is not None else TEMPERATURE,
+            verify_mode="rejection",
+        )
         key = tuple(out[0, prompt.shape[1] :].tolist())
         counts[key] = counts.get(key, 0) + 1
         accepted += sum(stats.hist[1:]) > 0
@@ -320,9 +331,15 @@ def test_sampled_output_has_the_targets_distribution(vocab6, name, strategy, pro
     torch.manual_seed(99)
     for _ in range(runs):
         out, stats = speculative_decode(
-            target, prompt, drafter, max_length=prompt.shape[1] + steps, do_sample=True, logits_processor=processors,
-            verify_mode=extra.get("verify_mode", "rejection"), draft_sampling=extra.get("draft_sampling"),
-        )  # fmt: skip
+            target,
+            prompt,
+            drafter,
+            max_length=prompt.shape[1] + steps,
+            do_sample=True,
+            logits_processor=processors,
+            verify_mode=extra.get("verify_mode", "rejection"),
+            draft_sampling=extra.get("draft_sampling"),
+        )
         key = tuple(out[0, prompt.shape[1] :].tolist())
         counts[key] = counts.get(key, 0) + 1
         accepted += stats.hist[1:] != [0] * (len(stats.hist) - 1)
@@ -341,9 +358,16 @@ def test_batched_rows_each_have_the_targets_distribution(vocab6):
     torch.manual_seed(7)
     for _ in range(runs):
         out, _ = speculative_decode(
-            target, ids, drafter, max_length=3 + steps, attention_mask=mask, do_sample=True,
-            logits_processor=CUT_PROCESSORS, verify_mode="rejection", pad_token_id=5,
-        )  # fmt: skip
+            target,
+            ids,
+            drafter,
+            max_length=3 + steps,
+            attention_mask=mask,
+            do_sample=True,
+            logits_processor=CUT_PROCESSORS,
+            verify_mode="rejection",
+            pad_token_id=5,
+        )
         for row in range(2):
             key = tuple(out[row, 3:].tolist())
             counts[row][key] = counts[row].get(key, 0) + 1
@@ -359,9 +383,16 @@ def test_transformers_loop_with_sampling_has_the_targets_distribution(vocab6):
     torch.manual_seed(5)
     for _ in range(runs):
         out = generate_with_transformers_loop(
-            target, prompt, drafter, do_sample=True, temperature=1.5, top_k=None, top_p=None,
-            max_new_tokens=steps, pad_token_id=5,
-        )  # fmt: skip
+            target,
+            prompt,
+            drafter,
+            do_sample=True,
+            temperature=1.5,
+            top_k=None,
+            top_p=None,
+            max_new_tokens=steps,
+            pad_token_id=5,
+        )
         key = tuple(out[0, prompt.shape[1] :].tolist())
         counts[key] = counts.get(key, 0) + 1
     assert chi_square_p(counts, exact, runs) > 1e-3
@@ -386,8 +417,13 @@ def test_flash_attention_target_with_a_batch_is_refused_before_prefill(tmp_path)
     target.config._attn_implementation = "flash_attention_2"  # the kernel is never reached: the check comes first
     ids = torch.tensor([[0, 5, 6], [7, 8, 9]])
     with pytest.raises(NotImplementedError, match="Qwen3_5ForCausalLM.*attn_implementation='sdpa'"):
-        speculative_decode(target, ids, DMTPDrafter(draft, draft.native_mtp), max_length=8,
-                           attention_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]))  # fmt: skip
+        speculative_decode(
+            target,
+            ids,
+            DMTPDrafter(draft, draft.native_mtp),
+            max_length=8,
+            attention_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]),
+        )
 
 
 def test_fixed_slots_too_small_fail_before_any_write(targets):
@@ -415,15 +451,22 @@ def test_prefix_free_processors_never_read_input_ids():
         TopKLogitsWarper,
         TopPLogitsWarper,
         TypicalLogitsWarper,
-    )  # fmt: skip
+    )
 
     from dmtp_hf.assistant.accept.processing import _PREFIX_FREE, process_flat, reads_input_ids
 
     free = [
-        TemperatureLogitsWarper(0.7), TopKLogitsWarper(5), TopPLogitsWarper(0.8), MinPLogitsWarper(0.1),
-        TypicalLogitsWarper(0.9), EpsilonLogitsWarper(3e-2), EtaLogitsWarper(3e-2), LogitNormalization(),
-        InfNanRemoveLogitsProcessor(), SuppressTokensLogitsProcessor([1, 2]),
-    ]  # fmt: skip
+        TemperatureLogitsWarper(0.7),
+        TopKLogitsWarper(5),
+        TopPLogitsWarper(0.8),
+        MinPLogitsWarper(0.1),
+        TypicalLogitsWarper(0.9),
+        EpsilonLogitsWarper(3e-2),
+        EtaLogitsWarper(3e-2),
+        LogitNormalization(),
+        InfNanRemoveLogitsProcessor(),
+        SuppressTokensLogitsProcessor([1, 2]),
+    ]
     assert {type(p) for p in free} == set(_PREFIX_FREE)
     scores = torch.randn(3, 4, 40, generator=torch.Generator().manual_seed(0))
     history = torch.randint(0, 40, (12, 9), generator=torch.Generator().manual_seed(1))

@@ -378,8 +378,9 @@ def test_flex_attention_is_exact_at_key_lengths_the_cpu_kernel_misreads(target, 
         with torch.no_grad():
             outputs[attn] = draft(draft.block_embeddings(ids[:, anchors[0]]), feats, pos, attention_mask=mask)
     assert mask.seq_lengths[1] % 128 == 0  # the BlockMask covers whole key blocks
-    torch.testing.assert_close(outputs["flex_attention"].last_hidden_state, outputs["sdpa"].last_hidden_state,
-                               rtol=1e-5, atol=1e-5)  # fmt: skip
+    torch.testing.assert_close(
+        outputs["flex_attention"].last_hidden_state, outputs["sdpa"].last_hidden_state, rtol=1e-5, atol=1e-5
+    )
 
 
 def test_attention_implementations_agree(target):

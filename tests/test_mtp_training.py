@@ -41,9 +41,14 @@ def greedy_data(target):
 
 def head_config(tmp_path, target_dir, **overrides):
     values = dict(
-        target_model=str(target_dir), train_mtp_head="only", micro_batch_size=8, max_steps=40, learning_rate=3e-3,
-        eval_holdout=8, output_dir=str(tmp_path / "head"),
-    )  # fmt: skip
+        target_model=str(target_dir),
+        train_mtp_head="only",
+        micro_batch_size=8,
+        max_steps=40,
+        learning_rate=3e-3,
+        eval_holdout=8,
+        output_dir=str(tmp_path / "head"),
+    )
     values.update(overrides)
     return make_config(tmp_path, **values)
 
@@ -103,8 +108,9 @@ def test_a_weights_only_bf16_snapshot_resumes_the_step_schedule_and_weights(tmp_
     from dmtp_hf.training.trainer import main as train_main
 
     def config(out, **extra):
-        values = dict(train_mtp_head="joint", max_steps=8, save_every=4, eval_holdout=0, rewarm_steps=3,
-                      resume_from="auto")  # fmt: skip
+        values = dict(
+            train_mtp_head="joint", max_steps=8, save_every=4, eval_holdout=0, rewarm_steps=3, resume_from="auto"
+        )
         return head_config(tmp_path / out, target_dir, **{**values, **extra})
 
     straight = Trainer(config("straight"), target=target, train_dataset=greedy_data)
@@ -152,9 +158,14 @@ def test_a_weights_only_bf16_snapshot_resumes_the_step_schedule_and_weights(tmp_
 
 def test_head_lora_trains_and_merges(tmp_path, target, target_dir, greedy_data):
     config = head_config(
-        tmp_path, target_dir, lora=True, lora_r=4, max_steps=8, eval_holdout=0,
+        tmp_path,
+        target_dir,
+        lora=True,
+        lora_r=4,
+        max_steps=8,
+        eval_holdout=0,
         lora_target_modules=["projection", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-    )  # fmt: skip
+    )
     trainer = Trainer(config, target=target, train_dataset=greedy_data)
     initial = head_state(load_native_mtp(target, dtype=torch.float32))  # where training started
     trainer.train()
@@ -247,8 +258,9 @@ def test_export_single_file_checkpoint_becomes_indexed_and_loads_in_transformers
         assert torch.equal(reloaded(ids).logits, target(ids).logits)
 
 
-def test_offline_features_with_head_inputs_resume_and_train_the_head_like_online(tmp_path, target, target_dir,
-                                                                                greedy_data):  # fmt: skip
+def test_offline_features_with_head_inputs_resume_and_train_the_head_like_online(
+    tmp_path, target, target_dir, greedy_data
+):
     from dmtp_hf.training import FeatureExtractor, OfflineFeatureDataset, extract_features
 
     extractor = FeatureExtractor(target, [0, 1], None, head_inputs=True)

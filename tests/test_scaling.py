@@ -20,9 +20,15 @@ REPO = Path(__file__).resolve().parents[1]
 CHATS = [
     {"id": "a", "messages": [{"role": "user", "content": "hello, how are you?"}]},
     {"id": "b", "messages": [{"role": "user", "content": "Write the Python function `quote` of the `shlex` module."}]},
-    {"id": "c", "messages": [{"role": "user", "content": "any pets?"}, {"role": "assistant", "content": "x"},
-                             {"role": "user", "content": "what are their names?"}]},
-]  # fmt: skip
+    {
+        "id": "c",
+        "messages": [
+            {"role": "user", "content": "any pets?"},
+            {"role": "assistant", "content": "x"},
+            {"role": "user", "content": "what are their names?"},
+        ],
+    },
+]
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +61,9 @@ def test_endpoint_regeneration_equals_local_regeneration(server, bundled_target,
     target, tokenizer = bundled_target
     data = write_chats(tmp_path / "chats.jsonl")
     regenerate(target, tokenizer, data, tmp_path / "local.jsonl", batch_size=1, max_new_tokens=32, progress=False)
-    written = regenerate_endpoint(server, data, tmp_path / "remote.jsonl", model="bundled", concurrency=2,
-                                  max_tokens=32, progress=False)  # fmt: skip
+    written = regenerate_endpoint(
+        server, data, tmp_path / "remote.jsonl", model="bundled", concurrency=2, max_tokens=32, progress=False
+    )
     assert written == 3
     assert read(tmp_path / "remote.jsonl") == read(tmp_path / "local.jsonl")
     assert read(tmp_path / "remote.jsonl")["c"][3]["role"] == "assistant"  # two turns regenerated in order
@@ -79,19 +86,63 @@ def test_dmtp_serve_is_gone_and_says_where_serving_went(capsys):
 
 
 def test_two_extraction_processes_write_the_same_features_as_one(tmp_path):
-    data = write_chats(tmp_path / "chats.jsonl", [{"id": str(i), "messages": [
-        {"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"an answer number {i}"}]}
-        for i in range(12)])  # fmt: skip
-    common = ["extract", "--target", "bundled", "--data", str(data), "--target-layer-ids", "1,3", "--head-inputs",
-              "--shard-size", "2", "--batch-size", "2", "--dtype", "keep"]  # fmt: skip
+    data = write_chats(
+        tmp_path / "chats.jsonl",
+        [
+            {
+                "id": str(i),
+                "messages": [
+                    {"role": "user", "content": f"question {i}"},
+                    {"role": "assistant", "content": f"an answer number {i}"},
+                ],
+            }
+            for i in range(12)
+        ],
+    )
+    common = [
+        "extract",
+        "--target",
+        "bundled",
+        "--data",
+        str(data),
+        "--target-layer-ids",
+        "1,3",
+        "--head-inputs",
+        "--shard-size",
+        "2",
+        "--batch-size",
+        "2",
+        "--dtype",
+        "keep",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    one = subprocess.run([sys.executable, "-m", "dmtp_hf.cli", *common, "--output", str(tmp_path / "one")], env=env,
-                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    one = subprocess.run(
+        [sys.executable, "-m", "dmtp_hf.cli", *common, "--output", str(tmp_path / "one")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert one.returncode == 0, one.stderr[-2000:]
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines", "1",
-              "--mixed_precision", "no", "--dynamo_backend", "no", "--multi_gpu", "-m", "dmtp_hf.cli"]  # fmt: skip
-    two = subprocess.run([*launch, *common, "--output", str(tmp_path / "two")], env=env, capture_output=True,
-                         text=True, timeout=600)  # fmt: skip
+    launch = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--multi_gpu",
+        "-m",
+        "dmtp_hf.cli",
+    ]
+    two = subprocess.run(
+        [*launch, *common, "--output", str(tmp_path / "two")], env=env, capture_output=True, text=True, timeout=600
+    )
     assert two.returncode == 0, two.stderr[-3000:]
     shards = sorted(p.name for p in (tmp_path / "one").glob("features-*.safetensors"))
     assert len(shards) == 6 and shards == sorted(p.name for p in (tmp_path / "two").glob("features-*.safetensors"))

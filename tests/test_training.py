@@ -219,9 +219,16 @@ def test_regenerate_is_batched_greedy_and_resumable(tmp_path, tokenizer, target)
     records = [
         {"id": "a", "messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "old"}]},
         {"id": "b", "conversations": [{"from": "human", "value": "the cat"}]},
-        {"id": "c", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"},
-                                 {"role": "user", "content": "how are you"}, {"role": "assistant", "content": "y"}]},
-    ]  # fmt: skip
+        {
+            "id": "c",
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "x"},
+                {"role": "user", "content": "how are you"},
+                {"role": "assistant", "content": "y"},
+            ],
+        },
+    ]
     source.write_text("\n".join(json.dumps(r) for r in records) + "\n")
     out = tmp_path / "out.jsonl"
     assert regenerate(target, tokenizer, source, out, batch_size=2, max_new_tokens=4, limit=2, progress=False) == 2
@@ -417,9 +424,14 @@ def test_training_drives_loss_down_and_acceptance_up(tmp_path, target, mtp_head,
         n: p.detach().clone() for n, p in list(target.named_parameters()) + list(mtp_head.named_parameters())
     }
     config = make_config(
-        tmp_path, anchor_layout=layout, max_steps=150, micro_batch_size=8, num_anchors=16, learning_rate=1e-2,
+        tmp_path,
+        anchor_layout=layout,
+        max_steps=150,
+        micro_batch_size=8,
+        num_anchors=16,
+        learning_rate=1e-2,
         warmup_ratio=0.05,
-    )  # fmt: skip
+    )
     trainer = Trainer(config, target=target, train_dataset=data, eval_dataset=data)
     start = trainer.evaluate()
     history = trainer.train()
@@ -521,8 +533,9 @@ def test_lora_trains_and_merged_checkpoint_loads_as_plain_draft(tmp_path, target
 def launch(command: list[str], env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
     """Run an `accelerate launch` (about 12 s here); one that never ends is killed with its ranks, and the test fails
     with what they printed (the run ends on every rank together, `Trainer.end_run`)."""
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)  # fmt: skip
+    process = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -537,17 +550,30 @@ def test_accelerate_launch_two_processes_matches_one(tmp_path, target_dir):
     data_file = tmp_path / "train.jsonl"
     data_file.write_text("\n".join(json.dumps({k: v.tolist() for k, v in s.items()}) for s in data.samples) + "\n")
     values = make_config(
-        tmp_path, target_model=str(target_dir), train_data=str(data_file), micro_batch_size=2, max_steps=3,
+        tmp_path,
+        target_model=str(target_dir),
+        train_data=str(data_file),
+        micro_batch_size=2,
+        max_steps=3,
         output_dir=str(tmp_path / "ddp"),
-    ).to_dict()  # fmt: skip
+    ).to_dict()
     config_file = tmp_path / "ddp.yaml"
     config_file.write_text(yaml.safe_dump(values))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": ""}
     command = [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-        str(REPO / "configs" / "accelerate" / "ddp_cpu.yaml"), str(REPO / "scripts" / "finetune.py"),
-        "--config", str(config_file), "--set", "save_every=2", "--set", "resume_from=auto",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(REPO / "configs" / "accelerate" / "ddp_cpu.yaml"),
+        str(REPO / "scripts" / "finetune.py"),
+        "--config",
+        str(config_file),
+        "--set",
+        "save_every=2",
+        "--set",
+        "resume_from=auto",
+    ]
     result = launch(command, env)
     assert result.returncode == 0, result.stderr[-12000:]  # both ranks' tracebacks
     assert "trained 3 steps on 2 process(es)" in result.stdout  # really distributed (gloo), printed once
@@ -563,9 +589,13 @@ def test_accelerate_launch_two_processes_matches_one(tmp_path, target_dir):
 
     # one process, same global batch (4 = 2 processes x 2)
     single = make_config(
-        tmp_path, target_model=str(target_dir), train_data=str(data_file), micro_batch_size=4, max_steps=3,
+        tmp_path,
+        target_model=str(target_dir),
+        train_data=str(data_file),
+        micro_batch_size=4,
+        max_steps=3,
         output_dir=str(tmp_path / "single"),
-    )  # fmt: skip
+    )
     Trainer(single).train()
     two = DMTPDraftModel.from_pretrained(tmp_path / "ddp" / "final").state_dict()
     one = DMTPDraftModel.from_pretrained(tmp_path / "single" / "final").state_dict()
@@ -596,16 +626,45 @@ def test_ctrl_c_in_a_terminal_under_accelerate_launch_saves_and_exits_0_quietly(
     data_file = tmp_path / "train.jsonl"
     samples = random_dataset(8, 24).samples
     data_file.write_text("\n".join(json.dumps({k: v.tolist() for k, v in s.items()}) for s in samples) + "\n")
-    values = make_config(tmp_path, target_model=str(target_dir), train_data=str(data_file), micro_batch_size=2,
-                         max_steps=10**6, output_dir=str(tmp_path / "run")).to_dict()  # fmt: skip
+    values = make_config(
+        tmp_path,
+        target_model=str(target_dir),
+        train_data=str(data_file),
+        micro_batch_size=2,
+        max_steps=10**6,
+        output_dir=str(tmp_path / "run"),
+    ).to_dict()
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(values))
-    command = [sys.executable, "-c", IN_A_TERMINAL, "-m", "accelerate.commands.launch", "--num_processes", "1",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--cpu",
-               str(REPO / "scripts" / "finetune.py"), "--config", str(tmp_path / "run.yaml")]  # fmt: skip
+    command = [
+        sys.executable,
+        "-c",
+        IN_A_TERMINAL,
+        "-m",
+        "accelerate.commands.launch",
+        "--num_processes",
+        "1",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--cpu",
+        str(REPO / "scripts" / "finetune.py"),
+        "--config",
+        str(tmp_path / "run.yaml"),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": ""}
     terminal, its_side = os.openpty()
-    process = subprocess.Popen(command, env=env, stdin=its_side, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, start_new_session=True)  # fmt: skip
+    process = subprocess.Popen(
+        command,
+        env=env,
+        stdin=its_side,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     os.close(its_side)
     stdout: list[str] = []
     stderr: list[str] = []
@@ -689,8 +748,10 @@ def test_train_config_names_the_key_of_every_bad_setting(tmp_path):
         TrainConfig.from_dict({**base, "train_mtp_head": "joint", "anchor_layout": "dflash"})
 
 
-DFLASH2 = {"backbone": "dflash2", "dflash_config": {"conv_kernel_size": 2, "conv_group_size": 8, "selector_rank": 8,
-                                                   "selector_top_k": 4}}  # fmt: skip
+DFLASH2 = {
+    "backbone": "dflash2",
+    "dflash_config": {"conv_kernel_size": 2, "conv_group_size": 8, "selector_rank": 8, "selector_top_k": 4},
+}
 
 
 @pytest.mark.parametrize("layout", ["dflash", "dual"])
@@ -702,17 +763,33 @@ def test_dflash2_trains_from_dflash_weights_starting_exactly_at_dflash(tmp_path,
     dflash = tiny_draft(target, "dflash", "none", seed=5)
     dflash.save_dflash(tmp_path / "dflash")
     data = precompute_features(FeatureExtractor(target, [0, 1], mtp_head), random_dataset(8, 32))
-    common = dict(init_from=str(tmp_path / "dflash"), anchor_layout=layout, fusion=fusion, max_steps=120,
-                  micro_batch_size=8, num_anchors=16, learning_rate=1e-2, warmup_ratio=0.05)  # fmt: skip
-    plain = Trainer(make_config(tmp_path / "plain", selector_loss_weight=0.0, **common), target=target,
-                    train_dataset=data, eval_dataset=data)  # fmt: skip
+    common = dict(
+        init_from=str(tmp_path / "dflash"),
+        anchor_layout=layout,
+        fusion=fusion,
+        max_steps=120,
+        micro_batch_size=8,
+        num_anchors=16,
+        learning_rate=1e-2,
+        warmup_ratio=0.05,
+    )
+    plain = Trainer(
+        make_config(tmp_path / "plain", selector_loss_weight=0.0, **common),
+        target=target,
+        train_dataset=data,
+        eval_dataset=data,
+    )
     config = make_config(tmp_path / "d2", draft_config=DFLASH2, selector_loss_weight=0.0, **common)
     d2 = Trainer(config, target=target, train_dataset=data, eval_dataset=data)
     assert d2.draft.config.backbone == "dflash2" and not d2.draft.candidate_selector.successor_codebook.any()
     before = d2.evaluate()
     assert before["loss"] == pytest.approx(plain.evaluate()["loss"], rel=1e-6)  # DFlash2 at init == DFlash
-    trained = Trainer(make_config(tmp_path / "d2-trained", draft_config=DFLASH2, **common), target=target,
-                      train_dataset=data, eval_dataset=data)  # fmt: skip
+    trained = Trainer(
+        make_config(tmp_path / "d2-trained", draft_config=DFLASH2, **common),
+        target=target,
+        train_dataset=data,
+        eval_dataset=data,
+    )
     start = trained.evaluate()
     trained.train()
     after = trained.evaluate()
@@ -730,9 +807,17 @@ def test_dflash2_from_scratch_with_lora_and_exact_resume(tmp_path, target):
     draft_config = {**make_config(tmp_path).draft_config, **DFLASH2}
 
     def run(out, kill_at=None, **extra):
-        config = make_config(tmp_path, draft_config=draft_config, anchor_layout="dflash", fusion="none",
-                             output_dir=str(tmp_path / out), max_steps=4, save_every=2, resume_from="auto",
-                             **extra)  # fmt: skip
+        config = make_config(
+            tmp_path,
+            draft_config=draft_config,
+            anchor_layout="dflash",
+            fusion="none",
+            output_dir=str(tmp_path / out),
+            max_steps=4,
+            save_every=2,
+            resume_from="auto",
+            **extra,
+        )
 
         def killer(trainer, step, metrics):
             if step == kill_at:
@@ -839,16 +924,19 @@ def test_resume_refuses_changed_settings_unless_allowed(tmp_path, target):
     longer = dict(base, max_steps=4)
     with pytest.raises(ValueError, match=r"learning_rate: 0\.003 -> 0\.001.*max_steps: 2 -> 4.*allow_config_change"):
         Trainer(make_config(tmp_path, **longer, learning_rate=1e-3), target=target, train_dataset=data).train()
-    trainer = Trainer(make_config(tmp_path, **longer, allow_config_change=True, log_every=2), target=target,
-                      train_dataset=data)  # fmt: skip
+    trainer = Trainer(
+        make_config(tmp_path, **longer, allow_config_change=True, log_every=2), target=target, train_dataset=data
+    )
     trainer.train()
     assert trainer.step == 4 and trainer.history[0]["step"] == 3
     # LM-head chunking only trades memory for speed: a run resumes with another chunk size as it is
-    chunked = Trainer(make_config(tmp_path, **dict(longer, max_steps=6), allow_config_change=True), target=target,
-                      train_dataset=data)  # fmt: skip
+    chunked = Trainer(
+        make_config(tmp_path, **dict(longer, max_steps=6), allow_config_change=True), target=target, train_dataset=data
+    )
     chunked.train()  # saved: max_steps 6 (allowed once), now only the chunking differs
-    Trainer(make_config(tmp_path, **dict(longer, max_steps=6), logits_chunk_size=5), target=target,
-            train_dataset=data).train()  # fmt: skip
+    Trainer(
+        make_config(tmp_path, **dict(longer, max_steps=6), logits_chunk_size=5), target=target, train_dataset=data
+    ).train()
 
 
 def test_bf16_target_trains_fp32_masters_and_exports_in_the_targets_dtype(tmp_path, target_dir):

@@ -52,9 +52,12 @@ def test_greedy_identical_at_every_width(targets, family, fast_path):
         drafter.fixed_shapes = fast_path
         for verify_length in (0, 2, "auto", RandomWidths(drafter.num_candidates, seed=len(name))):
             out, stats = speculative_decode(
-                target, prompt, OracleMix(drafter, reference, seed=3), max_length=reference.shape[1],
+                target,
+                prompt,
+                OracleMix(drafter, reference, seed=3),
+                max_length=reference.shape[1],
                 verify_length=verify_length,
-            )  # fmt: skip
+            )
             assert torch.equal(out, reference), (family, name, verify_length)
             generated = reference.shape[1] - prompt.shape[1]
             if verify_length == 0:  # every round is a plain decoding step (the prefill gives the first token)
@@ -75,8 +78,13 @@ def test_dmtp_skips_its_dflash_forward_when_t1_alone_is_the_bet(targets):
     try:
         for verify_length in (None, 1, RandomWidths(7, seed=1)):
             calls.clear()
-            out, stats = speculative_decode(target, prompt, DMTPDrafter(draft, draft.native_mtp),
-                                            max_length=reference.shape[1], verify_length=verify_length)  # fmt: skip
+            out, stats = speculative_decode(
+                target,
+                prompt,
+                DMTPDrafter(draft, draft.native_mtp),
+                max_length=reference.shape[1],
+                verify_length=verify_length,
+            )
             assert torch.equal(out, reference)
             proposals = stats.num_rounds
             if verify_length is None:
@@ -102,9 +110,15 @@ def test_ragged_batches_with_random_widths_equal_single_rows(targets, family):
     }.items():
         stats = SpecStats(drafter.num_candidates, name)
         out, stats = speculative_decode(
-            target, ids, BatchOracle(drafter, singles, seed=5), max_length=ids.shape[1] + MAX_NEW,
-            attention_mask=mask, pad_token_id=0, stats=stats, verify_length=RandomWidths(drafter.num_candidates),
-        )  # fmt: skip
+            target,
+            ids,
+            BatchOracle(drafter, singles, seed=5),
+            max_length=ids.shape[1] + MAX_NEW,
+            attention_mask=mask,
+            pad_token_id=0,
+            stats=stats,
+            verify_length=RandomWidths(drafter.num_candidates),
+        )
         for row, prompt in enumerate(prompts):
             expected = singles[row][len(prompt) :]
             assert torch.equal(out[row, ids.shape[1] : ids.shape[1] + expected.shape[0]], expected), (name, row)
@@ -120,9 +134,15 @@ def test_sampled_output_keeps_the_distribution_when_widths_vary(vocab6, mode):
     torch.manual_seed(5)
     for _ in range(runs):
         out, _ = speculative_decode(
-            target, prompt, drafter, max_length=prompt.shape[1] + steps, do_sample=True,
-            logits_processor=CUT_PROCESSORS, verify_mode=mode, verify_length=policy,
-        )  # fmt: skip
+            target,
+            prompt,
+            drafter,
+            max_length=prompt.shape[1] + steps,
+            do_sample=True,
+            logits_processor=CUT_PROCESSORS,
+            verify_mode=mode,
+            verify_length=policy,
+        )
         key = tuple(out[0, prompt.shape[1] :].tolist())
         counts[key] = counts.get(key, 0) + 1
     assert chi_square_p(counts, exact, runs) > 1e-3
@@ -212,8 +232,9 @@ def test_rounds_where_drafting_does_not_pay_run_no_drafter_stage(targets, monkey
     policy = AutoWidth(steep, Calibration(), 7)
     policy.prior = [0.02] * 7
     try:
-        out, stats = speculative_decode(target, prompt, DMTPDrafter(draft, draft.native_mtp),
-                                        max_length=reference.shape[1], verify_length=policy)  # fmt: skip
+        out, stats = speculative_decode(
+            target, prompt, DMTPDrafter(draft, draft.native_mtp), max_length=reference.shape[1], verify_length=policy
+        )
     finally:
         handle.remove(), head_handle.remove()
     assert torch.equal(out, reference)
@@ -308,8 +329,9 @@ def test_bad_verify_length_is_refused_before_any_forward(targets, bad):
     handle = target.register_forward_hook(lambda *args: calls.append(1))
     try:
         with pytest.raises(ValueError, match="verify_length"):
-            speculative_decode(target, torch.tensor([[1, 2, 3]]), DMTPDrafter(draft, draft.native_mtp), max_length=8,
-                               verify_length=bad)  # fmt: skip
+            speculative_decode(
+                target, torch.tensor([[1, 2, 3]]), DMTPDrafter(draft, draft.native_mtp), max_length=8, verify_length=bad
+            )
     finally:
         handle.remove()
     assert not calls
@@ -318,9 +340,25 @@ def test_bad_verify_length_is_refused_before_any_forward(targets, bad):
 def test_calibrate_fits_stores_and_auto_reads_it(models_dir, tmp_path, capsys):
     draft_dir = tmp_path / "dmtp"
     shutil.copytree(models_dir / "dmtp", draft_dir)
-    argv = ["calibrate", "--target", str(models_dir / "target"), "--draft", str(draft_dir), "--strategies", "dmtp",
-            "--datasets", "gsm8k", "--limit", "2", "--max-new-tokens", "12", "--output-dir", str(tmp_path / "out"),
-            "--no-progress", "--write"]  # fmt: skip
+    argv = [
+        "calibrate",
+        "--target",
+        str(models_dir / "target"),
+        "--draft",
+        str(draft_dir),
+        "--strategies",
+        "dmtp",
+        "--datasets",
+        "gsm8k",
+        "--limit",
+        "2",
+        "--max-new-tokens",
+        "12",
+        "--output-dir",
+        str(tmp_path / "out"),
+        "--no-progress",
+        "--write",
+    ]
     assert main(argv) == 0
     assert "Brier" in capsys.readouterr().out
     report = json.loads((tmp_path / "out" / "calibration.json").read_text())["dmtp"]
@@ -337,9 +375,25 @@ def test_calibrate_fits_stores_and_auto_reads_it(models_dir, tmp_path, capsys):
 
 
 def test_eval_compares_fixed_and_auto_widths_side_by_side(models_dir, tmp_path):
-    argv = ["eval", "--target", str(models_dir / "target"), "--draft", str(models_dir / "dmtp"), "--strategies",
-            "dmtp,dmtp:auto,mtp2:1", "--datasets", "gsm8k", "--limit", "2", "--max-new-tokens", "12",
-            "--output-dir", str(tmp_path), "--no-progress", "--no-baseline"]  # fmt: skip
+    argv = [
+        "eval",
+        "--target",
+        str(models_dir / "target"),
+        "--draft",
+        str(models_dir / "dmtp"),
+        "--strategies",
+        "dmtp,dmtp:auto,mtp2:1",
+        "--datasets",
+        "gsm8k",
+        "--limit",
+        "2",
+        "--max-new-tokens",
+        "12",
+        "--output-dir",
+        str(tmp_path),
+        "--no-progress",
+        "--no-baseline",
+    ]
     assert main(argv) == 0
     data = json.loads((tmp_path / "eval.json").read_text())
     strategies = {s["label"]: s for s in data["strategies"]}
@@ -356,8 +410,14 @@ def test_target_generate_takes_dmtp_verify_length(targets):
     draft = draft_for(target)
     prompt = torch.tensor([[5, 17, 42, 9]])
     reference = greedy_reference(target, prompt, max_new_tokens=10)
-    out = target.generate(prompt, assistant_model=draft, do_sample=False, max_new_tokens=10,
-                          dmtp_verify_length="auto", return_dict_in_generate=True)  # fmt: skip
+    out = target.generate(
+        prompt,
+        assistant_model=draft,
+        do_sample=False,
+        max_new_tokens=10,
+        dmtp_verify_length="auto",
+        return_dict_in_generate=True,
+    )
     assert torch.equal(out.sequences, reference)
     assert sum(out.spec_stats.verify_widths.values()) == out.spec_stats.num_rounds
     with pytest.raises(ValueError, match="verify_length"):

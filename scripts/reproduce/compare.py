@@ -81,18 +81,24 @@ def bundle(name: str) -> Bundle:
                 ("DMTP(D)", "dmtp"),
                 ("DFlash2", "dflash2"),
                 ("DMTP(D2)", "dmtp-d2"),
-            ],  # fmt: skip
+            ],
             # speedup per workload at every batch size: the math/code goal and the chat goal
             bench_groups=[
                 ("GSM8K and HumanEval", ["gsm8k", "humaneval"], []),
                 ("MT-Bench, Alpaca and held-out chat", ["mt_bench", "alpaca"], ["held-out-chat"]),
-            ],  # fmt: skip
+            ],
         )
     drafts = {"dmtp": MODELS / "dmtp", "dflash": MODELS / "dflash", "dmtp-from-dflash": MODELS / "dmtp_from_dflash"}
     models = [
-        "--target", str(MODELS / "target"), "--draft", str(drafts["dmtp"]), "--dflash-draft", str(drafts["dflash"]),
-        "--extra-draft", f"dmtp-from-dflash={drafts['dmtp-from-dflash']}",
-    ]  # fmt: skip
+        "--target",
+        str(MODELS / "target"),
+        "--draft",
+        str(drafts["dmtp"]),
+        "--dflash-draft",
+        str(drafts["dflash"]),
+        "--extra-draft",
+        f"dmtp-from-dflash={drafts['dmtp-from-dflash']}",
+    ]
     methods = ["mtp1", "mtp2", "mtp3", "mtp4", "dflash", "dmtp", "dmtp-from-dflash"]
     variants = ["dmtp", "dmtp-from-dflash"]
     bench_methods = ["dmtp", "dflash", "dmtp-from-dflash", "mtp1"]
@@ -162,18 +168,27 @@ def _eval_parts(args, out: Path, methods: list[str], merged_dir: Path) -> dict:
     bundled_sets = ",".join(args.bundle.datasets)
     workloads = [
         ["--datasets", bundled_sets],
-        ["--datasets", "none", "--prompts", str(named / "held-out-code.jsonl"),
-         "--prompts", str(named / "held-out-chat.jsonl")],
-    ]  # fmt: skip
+        [
+            "--datasets",
+            "none",
+            "--prompts",
+            str(named / "held-out-code.jsonl"),
+            "--prompts",
+            str(named / "held-out-chat.jsonl"),
+        ],
+    ]
     if args.workers == 1:
         workloads = [[*workloads[1], "--datasets", bundled_sets]]
     common = [
         *args.bundle.models,
-        "--strategies", ",".join(methods),
-        "--limit", str(args.limit),
-        "--max-new-tokens", str(args.max_new_tokens),
+        "--strategies",
+        ",".join(methods),
+        "--limit",
+        str(args.limit),
+        "--max-new-tokens",
+        str(args.max_new_tokens),
         "--no-progress",
-    ]  # fmt: skip
+    ]
     if args.temperature:  # the blog's section 7 protocol: sampled, verified by rejection sampling
         sampled = [m for m in methods if not m.endswith(":auto")]
         common[common.index("--strategies") + 1] = ",".join(sampled)
@@ -210,12 +225,23 @@ def run_bench(args, out: Path) -> dict[str, dict]:
         folder.mkdir(parents=True, exist_ok=True)
         prompts = [arg for f in prompt_files for arg in ("--prompts", str(named / f"{f}.jsonl"))]
         command = _dmtp(
-            "bench", *args.bundle.models,
-            "--strategies", ",".join(args.bundle.bench_methods),
-            "--datasets", ",".join(datasets) or "none", *prompts,
-            "--limit", str(args.bench_limit), "--max-new-tokens", str(args.max_new_tokens),
-            "--batch-sizes", args.batch_sizes, "--no-progress", "--output-dir", str(folder),
-        )  # fmt: skip
+            "bench",
+            *args.bundle.models,
+            "--strategies",
+            ",".join(args.bundle.bench_methods),
+            "--datasets",
+            ",".join(datasets) or "none",
+            *prompts,
+            "--limit",
+            str(args.bench_limit),
+            "--max-new-tokens",
+            str(args.max_new_tokens),
+            "--batch-sizes",
+            args.batch_sizes,
+            "--no-progress",
+            "--output-dir",
+            str(folder),
+        )
         with open(folder / "bench.log", "w") as log:
             subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT, env=env)
         results[name] = json.loads((folder / "bench.json").read_text())
@@ -410,8 +436,13 @@ def _versus_dflash(evaluation: dict, rows: list[tuple], variants: list[str]) -> 
     return lines
 
 
-BLOG_COLUMNS = [("MTP-4", "mtp4@tuned"), ("DFlash", "dflash"), ("DMTP(D)", "dmtp-tuned"), ("DFlash2", "dflash2"),
-                ("DMTP(D2)", "dmtp-d2")]  # fmt: skip
+BLOG_COLUMNS = [
+    ("MTP-4", "mtp4@tuned"),
+    ("DFlash", "dflash"),
+    ("DMTP(D)", "dmtp-tuned"),
+    ("DFlash2", "dflash2"),
+    ("DMTP(D2)", "dmtp-d2"),
+]
 
 
 def _blog_table(evaluation: dict, rows: list[tuple], columns: list[tuple[str, str]]) -> list[str]:
@@ -425,11 +456,15 @@ def _blog_table(evaluation: dict, rows: list[tuple], columns: list[tuple[str, st
         "wall-clock speedup over plain `generate` per column (MTP-4 and both DMTP drafts on the same MTP head: "
         f"{', '.join(f'{n} = {label}' for n, label in columns)}).",
         "",
-        "| Workload | " + " | ".join(f"τ {name}" for name, _ in columns)
-        + " | DMTP(D) vs DFlash | DMTP(D2) vs DFlash2 | first-cand. " + " / ".join(n for n, _ in columns)
-        + " | speedup " + " / ".join(n for n, _ in columns) + " |",
+        "| Workload | "
+        + " | ".join(f"τ {name}" for name, _ in columns)
+        + " | DMTP(D) vs DFlash | DMTP(D2) vs DFlash2 | first-cand. "
+        + " / ".join(n for n, _ in columns)
+        + " | speedup "
+        + " / ".join(n for n, _ in columns)
+        + " |",
         "| --- " * (len(columns) + 5) + "|",
-    ]  # fmt: skip
+    ]
     for key, display, *_ in [*rows, ("overall", "All")]:
         entries = evaluation["overall"] if key == "overall" else evaluation["results"][key]
         e = {name: entries[label] for name, label in columns}
@@ -437,9 +472,10 @@ def _blog_table(evaluation: dict, rows: list[tuple], columns: list[tuple[str, st
         firsts = " / ".join(f"{100 * e[n]['first_candidate_acceptance']:.1f}%" for n, _ in columns)
         speeds = " / ".join(f"{_f(e[n].get('speedup'))}×" for n, _ in columns)
         lines.append(
-            f"| {display} | " + " | ".join(_f(e[n][tau]) for n, _ in columns)
+            f"| {display} | "
+            + " | ".join(_f(e[n][tau]) for n, _ in columns)
             + f" | {gain[0]:+.1f}% | {gain[1]:+.1f}% | {firsts} | {speeds} |"
-        )  # fmt: skip
+        )
     return lines
 
 
@@ -476,9 +512,15 @@ def summary_markdown(
         lines += _blog_table(evaluation, rows, args.bundle.blog_columns)
     if args.analysis.is_file():
         lines += ["", "## Findings", "", args.analysis.read_text().strip()]
-    lines += ["", "![acceptance length](acceptance_length.png)", "",
-              "![cumulative position-wise acceptance](position_acceptance.png)", "",
-              "![acceptance histogram](acceptance_histogram.png)", ""]  # fmt: skip
+    lines += [
+        "",
+        "![acceptance length](acceptance_length.png)",
+        "",
+        "![cumulative position-wise acceptance](position_acceptance.png)",
+        "",
+        "![acceptance histogram](acceptance_histogram.png)",
+        "",
+    ]
     groups = [name for name, *_ in args.bundle.bench_groups]
     folders = {name: "" if len(groups) == 1 else f"bench-{i + 1}/" for i, name in enumerate(groups)}
     for name, result in (bench or {}).items():
@@ -503,21 +545,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-sizes", default="1,2,4,8", help="dmtp bench batch sizes")
     parser.add_argument("--workers", type=int, default=2, choices=[1, 2])
     parser.add_argument("--threads", type=int, default=2, help="CPU threads in total")
-    parser.add_argument("--temperature", type=float, default=0.0,
-                        help="sample at this temperature (rejection verification, seed 0; no auto widths)")  # fmt: skip
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sample at this temperature (rejection verification, seed 0; no auto widths)",
+    )
     parser.add_argument("--skip-bench", action="store_true")
     parser.add_argument("--skip-eval", action="store_true", help="reuse OUTPUT_DIR/eval.json, run the bench only")
     parser.add_argument("--report-only", action="store_true", help="rebuild README.md from the saved JSON")
     parser.add_argument(
-        "--add-strategies", type=lambda text: text.split(","), default=[], metavar="LABELS",
+        "--add-strategies",
+        type=lambda text: text.split(","),
+        default=[],
+        metavar="LABELS",
         help="evaluate only these of the bundle's strategies (comma-separated; e.g. a draft bundled after the "
         "comparison ran) and add them as columns to OUTPUT_DIR/eval.json; each keeps its own generate baseline",
-    )  # fmt: skip
+    )
     parser.add_argument("--output-dir", type=Path, help="default: reports/<bundle>")
     parser.add_argument(
-        "--analysis", type=Path, help="markdown written by a person after reading the numbers (default: "
-        "OUTPUT_DIR/analysis.md when present), included as the report's Findings"
-    )  # fmt: skip
+        "--analysis",
+        type=Path,
+        help="markdown written by a person after reading the numbers (default: "
+        "OUTPUT_DIR/analysis.md when present), included as the report's Findings",
+    )
     args = parser.parse_args(argv)
     args.bundle = bundle(args.bundle_name)
     args.output_dir = args.output_dir or REPO / "reports" / args.bundle_name

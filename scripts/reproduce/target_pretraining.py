@@ -413,9 +413,15 @@ class PretrainConfig:
 
     # Keys that may change between a run and its resumption (the rest must match the checkpoint).
     RESUMABLE_CHANGES = (
-        "max_steps", "save_every", "save_every_minutes", "eval_every", "log_every", "progress", "output_dir",
+        "max_steps",
+        "save_every",
+        "save_every_minutes",
+        "eval_every",
+        "log_every",
+        "progress",
+        "output_dir",
         "fast_kernels",
-    )  # fmt: skip
+    )
 
 
 def _lr_lambda(config: PretrainConfig):
@@ -504,9 +510,11 @@ def pretrain(
     export_dtype = getattr(torch, config.export_dtype)
     if model_config is None:
         model_config = target_config(
-            len(tokenizer), config.preset, eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
+            len(tokenizer),
+            config.preset,
+            eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
             pad_token_id=tokenizer.pad_token_id,
-        )  # fmt: skip
+        )
     model, head = build_target(model_config, seed=config.seed)
     model.train(), head.train()
     optimizer = _optimizer(model, head, config)
@@ -537,8 +545,12 @@ def pretrain(
     parameters = count_parameters(model, head)
     logger.info(
         "Target %s: %s parameters; %d training windows of %d tokens (%.1f steps per epoch)",
-        config.preset, parameters, batches.num_windows, config.seq_len, batches.batches_per_epoch,
-    )  # fmt: skip
+        config.preset,
+        parameters,
+        batches.num_windows,
+        config.seq_len,
+        batches.batches_per_epoch,
+    )
 
     def save(final: bool = False) -> None:
         with atomic_directory(checkpoint_dir) as tmp:
@@ -591,8 +603,12 @@ def pretrain(
             "mtp_acc": out.mtp_accuracy.item(),
             "grad_norm": grad_norm.item(),
         }
-        bar.set_postfix(lm=f"{metrics['lm_loss']:.3f}", mtp=f"{metrics['mtp_loss']:.3f}",
-                        mtp_acc=f"{metrics['mtp_acc']:.3f}", refresh=False)  # fmt: skip
+        bar.set_postfix(
+            lm=f"{metrics['lm_loss']:.3f}",
+            mtp=f"{metrics['mtp_loss']:.3f}",
+            mtp_acc=f"{metrics['mtp_acc']:.3f}",
+            refresh=False,
+        )
         if step % config.log_every == 0 or step == config.max_steps:
             elapsed = time.monotonic() - window_start
             metrics["tokens_per_s"] = window_tokens / max(elapsed, 1e-9)

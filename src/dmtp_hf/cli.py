@@ -174,7 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Subcommands that own their argument parser (``dmtp train --help`` shows theirs).
 _DELEGATED = {
-    "train": ("dmtp_hf.training.trainer", "train a DMTP/DFlash draft and/or the native MTP head from a YAML config"),
+    "train": (
+        "dmtp_hf.training.trainer",
+        "train a DMTP/DFlash/DFlash2 draft and/or an MTP head (native or retrofitted) from a YAML config",
+    ),
     "regenerate": ("dmtp_hf.training.regenerate", "rewrite a chat JSONL's assistant turns with the target"),
     "extract": ("dmtp_hf.training.features", "write offline target/MTP feature shards for training"),
 }

@@ -21,8 +21,28 @@ import json
 import random
 from pathlib import Path
 
-NAMES = ["Ava", "Ben", "Chloe", "Diego", "Emma", "Farid", "Grace", "Hiro", "Ines", "Jonas", "Kira", "Liam", "Maya",
-         "Noah", "Olga", "Priya", "Quinn", "Rosa", "Sam", "Tara"]  # fmt: skip
+NAMES = [
+    "Ava",
+    "Ben",
+    "Chloe",
+    "Diego",
+    "Emma",
+    "Farid",
+    "Grace",
+    "Hiro",
+    "Ines",
+    "Jonas",
+    "Kira",
+    "Liam",
+    "Maya",
+    "Noah",
+    "Olga",
+    "Priya",
+    "Quinn",
+    "Rosa",
+    "Sam",
+    "Tara",
+]
 SAMPLE = {"code": 2500, "chat": 1500}  # sizes of the random samples the requested counts are taken from
 ITEMS = ["apples", "pencils", "stickers", "marbles", "cookies", "books", "stamps", "shells", "cards", "eggs"]
 

@@ -94,8 +94,16 @@ def step_times(config_path: Path, features: Path, size: int, steps: int) -> dict
     results = {}
     for label, vocab in (("full", None), (str(size), size)):
         values = yaml.safe_load(config_path.read_text())
-        values.update(train_data=str(features), max_steps=steps, eval_holdout=0, eval_every=0, save_every=10**6,
-                      report_to="none", log_every=1, warmup_ratio=0.0)  # fmt: skip
+        values.update(
+            train_data=str(features),
+            max_steps=steps,
+            eval_holdout=0,
+            eval_every=0,
+            save_every=10**6,
+            report_to="none",
+            log_every=1,
+            warmup_ratio=0.0,
+        )
         if values.get("train_mtp_head") == "only":
             values["mtp_draft_vocab_size"] = vocab
         else:
@@ -123,8 +131,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=str(ROOT / "outputs/smollm2/target"))
     parser.add_argument("--regenerated", default=str(ROOT / "outputs/smollm2/regenerated"))
-    parser.add_argument("--features", default=str(ROOT / "outputs/smollm2/features_probe"),
-                        help="offline features for the step timing (made here from 64 records if absent)")  # fmt: skip
+    parser.add_argument(
+        "--features",
+        default=str(ROOT / "outputs/smollm2/features_probe"),
+        help="offline features for the step timing (made here from 64 records if absent)",
+    )
     parser.add_argument("--sizes", default="4096,8192,12288,16384")
     parser.add_argument("--train-size", type=int, default=8192, help="the subset the step timing uses")
     parser.add_argument("--repeats", type=int, default=30)
@@ -188,9 +199,29 @@ def main() -> None:
         probe.write_text("".join(files[0].read_text().splitlines(keepends=True)[:64]))
         from dmtp_hf.cli import main as dmtp
 
-        dmtp(["extract", "--target", args.target, "--data", str(probe), "--output", str(features),
-              "--target-layer-ids", "1,14,27", "--no-mtp", "--head-inputs", "--max-length", "384", "--batch-size", "8",
-              "--shard-size", "64", "--dtype", "bfloat16"])  # fmt: skip
+        dmtp(
+            [
+                "extract",
+                "--target",
+                args.target,
+                "--data",
+                str(probe),
+                "--output",
+                str(features),
+                "--target-layer-ids",
+                "1,14,27",
+                "--no-mtp",
+                "--head-inputs",
+                "--max-length",
+                "384",
+                "--batch-size",
+                "8",
+                "--shard-size",
+                "64",
+                "--dtype",
+                "bfloat16",
+            ]
+        )
     steps = {
         "dflash": step_times(ROOT / "configs/smollm2-dflash.yaml", features, args.train_size, args.steps),
         "mtp_head": step_times(ROOT / "configs/smollm2-mtp-head.yaml", features, args.train_size, args.steps),

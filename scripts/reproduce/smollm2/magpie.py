@@ -71,9 +71,14 @@ def main() -> None:
             torch.manual_seed(args.seed + batch)
             with torch.no_grad():
                 generated = model.generate(
-                    **prompt, do_sample=True, temperature=args.temperature, top_p=args.top_p,
-                    max_new_tokens=args.max_new_tokens, eos_token_id=eos, pad_token_id=eos,
-                )[:, prompt["input_ids"].shape[1] :]  # fmt: skip
+                    **prompt,
+                    do_sample=True,
+                    temperature=args.temperature,
+                    top_p=args.top_p,
+                    max_new_tokens=args.max_new_tokens,
+                    eos_token_id=eos,
+                    pad_token_id=eos,
+                )[:, prompt["input_ids"].shape[1] :]
             for n, tokens in enumerate(generated):
                 finished = bool((tokens == eos).any())
                 text = tokenizer.decode(tokens, skip_special_tokens=True).strip()

@@ -101,9 +101,14 @@ class AttentionLayout:
         query_blocks = zeros if self.query_blocks is None else self.query_blocks[:, None, :, None]
         context_end = zeros + FAR if self.context_end is None else self.context_end[:, None, :, None]
         visible = dflash_visibility(
-            query_positions, query_blocks, context_end, self.key_positions[:, None, None, :],
-            self.key_blocks[:, None, None, :], causal=causal, window=window,
-        )  # fmt: skip
+            query_positions,
+            query_blocks,
+            context_end,
+            self.key_positions[:, None, None, :],
+            self.key_blocks[:, None, None, :],
+            causal=causal,
+            window=window,
+        )
         if self.key_valid is not None:
             visible = visible & self.key_valid[:, None, None, :]
         if self.query_valid is not None:
@@ -180,10 +185,18 @@ def _flex_block_mask(layout: AttentionLayout, causal: bool, window: int | None):
     query_valid = layout.query_valid
 
     def mask_mod(b, h, q_idx, kv_idx):
-        visible = dflash_visibility(
-            layout.query_positions[b, q_idx], query_blocks[b, q_idx], context_end[b, q_idx],
-            key_positions[b, kv_idx], key_blocks[b, kv_idx], causal=causal, window=window,
-        ) & key_valid[b, kv_idx]  # fmt: skip
+        visible = (
+            dflash_visibility(
+                layout.query_positions[b, q_idx],
+                query_blocks[b, q_idx],
+                context_end[b, q_idx],
+                key_positions[b, kv_idx],
+                key_blocks[b, kv_idx],
+                causal=causal,
+                window=window,
+            )
+            & key_valid[b, kv_idx]
+        )
         return visible if query_valid is None else visible | ~query_valid[b, q_idx]
 
     return create_block_mask(mask_mod, bsz, None, q_len, kv_len + padding, device=device)

@@ -133,12 +133,18 @@ def bound_native_mtp(draft: nn.Module) -> nn.Module:
         reason = draft.__dict__.get("_native_mtp_missing")
         retrofit = draft.config.dmtp_config.get("mtp_source") == "retrofit"
         raise RuntimeError(
-            ("This draft was trained with a retrofitted MTP head (its target ships none): " if retrofit else
-             "This draft has no native MTP head bound: ")
+            (
+                "This draft was trained with a retrofitted MTP head (its target ships none): "
+                if retrofit
+                else "This draft has no native MTP head bound: "
+            )
             + "bind it with `draft.bind(target, native_mtp=load_native_mtp(target, checkpoint=HEAD_DIR))` "
             + "(eval/bench: --mtp-head HEAD_DIR)."
             + (f" Reading the target's own head failed: {reason}" if reason else "")
-            + (" Without a head, load the draft with anchor_layout='dflash' to decode it as DFlash."
-               if draft.config.anchor_layout != "dflash" else "")
-        )  # fmt: skip
+            + (
+                " Without a head, load the draft with anchor_layout='dflash' to decode it as DFlash."
+                if draft.config.anchor_layout != "dflash"
+                else ""
+            )
+        )
     return head

@@ -441,7 +441,13 @@ def build_accelerator(config: TrainConfig) -> Accelerator:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``dmtp train`` / ``scripts/finetune.py``: train a draft from a YAML config (``--set key=value`` overrides)."""
-    parser = argparse.ArgumentParser(prog="dmtp train", description="Train a DMTP or DFlash draft.")
+    parser = argparse.ArgumentParser(
+        prog="dmtp train",
+        description=(
+            "Train a DMTP, DFlash or DFlash2 draft, an MTP head (native or retrofitted), or both jointly, "
+            "from a YAML config."
+        ),
+    )
     parser.add_argument("--config", required=True, help="YAML training config (see configs/)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     parser.add_argument(
