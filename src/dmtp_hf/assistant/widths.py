@@ -10,14 +10,17 @@ maximises tokens per second over the batch (``k = 0`` is a plain decoding step):
   rescaled per position to what the rounds accept on average (`AutoWidth.acceptance`).
 - `CostModel`: the target forward's seconds per width, first from a short timing of dummy forwards on this machine
   (cached per target, device, dtype and batch size; never a constant), then from what the generation's own verify
-  stages cost, round by round (a busy machine shifts the choice within a few rounds); the drafter's stages as the
-  generation measures them.
+  stages cost, round by round (a busy machine shifts the choice within a few rounds; what rounds taught is kept
+  for the next call); the drafter's stages as the generation measures them.
 - `AutoWidth`: the choice. Before drafting, from what earlier rounds accepted per position (before any evidence the
   calibration's held-out rates, or optimistic without them; kept across calls for the same draft): when no width
   pays, the round is a plain step that runs no drafter stage, and a probe that verifies the whole block follows
   after 2, 4, ... such rounds (doubling while probes lose, at most ~`EXPLORATION` of the time, the schedule kept
   across calls). DMTP asks again after T1, before running DFlash: when T1 alone (or nothing) is the best bet, the
   DFlash forward is skipped; MTP-k chains stop when the next step does not pay for itself.
+- `~width_guard.GuardRail`: no estimate is trusted blindly. What the drafted rounds of a recent window really
+  committed per second is compared with plain steps; when drafting has lost, the policy decodes plainly and only
+  its probes draft, until one beats plain steps again.
 - One width serves the whole batch: a batch's verify is one padded rectangle, so a shorter block for one row would
   save no compute and only give up tokens.
 
@@ -46,6 +49,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from .target.linear_attention import has_gated_delta_net, verify_kernel_kwargs
+from .width_guard import GuardRail
 
 __all__ = [
     "AllCandidates",
@@ -60,6 +64,7 @@ __all__ = [
 ]
 
 _COSTS: dict[tuple, dict[int, float]] = {}  # (target id, device, dtype, batch) -> width -> seconds
+_LEARNED: dict[tuple, dict] = {}  # the same key -> what rounds taught `CostModel` (carried to the next call)
 # What earlier calls learned of a draft's acceptance per position (`AutoWidth.prior`, ...): per draft
 # (or MTP head) module, then per strategy and K.
 _PRIORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # -> {(name, K): (prior, seen, confidence)}
@@ -75,6 +80,9 @@ PRIOR_RATE = 0.1
 FIRST_PROBE_INTERVAL = 2
 MAX_PROBE_INTERVAL = 32
 EXPLORATION = 0.02
+# Drafted rounds that verify fewer than K candidates between two that verify the whole block (`AutoWidth.drafts`):
+# positions past the chosen width are otherwise never tested again, and one unlucky estimate would stay wrong.
+DEEP_PROBE_INTERVAL = 8
 # How fast measured round costs move the estimates (`CostModel.observe_verify`): a width's own observations, and the
 # pull of the overall load on widths not run lately.
 LEARNING_RATE = 0.3
@@ -232,13 +240,30 @@ class CostModel:
     own cost table, trusted as it is).
     """
 
-    def __init__(self, verify: dict[int, float], follow_rounds: bool = True) -> None:
+    def __init__(self, verify: dict[int, float], follow_rounds: bool = True, learned: dict | None = None) -> None:
         self.follow_rounds = follow_rounds
         self.timed = dict(verify)  # the one-off timing
-        self.verify = dict(verify)  # the current estimate
         self.stages: dict[str, float] = {}
-        self.load = 1.0  # observed / timed, over recent rounds of every width
-        self.ratios: dict[int, float] = {}  # observed / timed per width (tokens in the forward)
+        # observed / timed, over recent rounds of every width ("load") and per width ("ratios": tokens in the
+        # forward -> ratio); `measure` shares them with later calls for the same target and batch size
+        self.learned = learned if learned is not None else {}
+        self.learned.setdefault("load", 1.0)
+        self.learned.setdefault("ratios", {})
+        self.verify = {width: t * self.ratios.get(width, self.load) for width, t in self.timed.items()}  # estimates
+
+    @property
+    def load(self) -> float:
+        """Observed / timed verify seconds over recent rounds of every width."""
+        return self.learned["load"]
+
+    @load.setter
+    def load(self, value: float) -> None:
+        self.learned["load"] = value
+
+    @property
+    def ratios(self) -> dict[int, float]:
+        """Observed / timed verify seconds per width that has run."""
+        return self.learned["ratios"]
 
     def observe_verify(self, tokens: int, seconds: float) -> None:
         """A verify stage over ``tokens`` positions took ``seconds``: update that width's estimate and the load."""
@@ -272,7 +297,8 @@ class CostModel:
         key = (id(target), embedding.device, embedding.dtype, batch_size)
         if key not in _COSTS or max(_COSTS[key]) < max_width:  # a wider drafter than the last one needs more
             _COSTS[key] = _time_widths(target, batch_size, max_width, repeats, context, on_width)
-        return cls(dict(_COSTS[key]))
+            _LEARNED.pop(key, None)
+        return cls(dict(_COSTS[key]), learned=_LEARNED.setdefault(key, {}))
 
     def update(self, stage: str, seconds: float) -> None:
         """Fold one measurement of a drafter stage into its running mean."""
@@ -340,7 +366,7 @@ def width_policy(verify_length: int | str | RoundWidth | None, target, drafter, 
         policy = AutoWidth(cost, Calibration.from_dict(stored), num_candidates, stage_plan)
         source = draft if draft is not None else getattr(drafter, "head", drafter)
         key = (getattr(drafter, "name", type(drafter).__name__), num_candidates)
-        # across calls: the estimates (lists, shared) and the probe schedule (`AutoWidth.memory`)
+        # across calls: the estimates (lists, shared), the probe schedule (`AutoWidth.memory`) and the guard rail
         learned = _PRIORS.setdefault(source, {})
         fresh = {
             "prior": policy.prior,
@@ -348,6 +374,7 @@ def width_policy(verify_length: int | str | RoundWidth | None, target, drafter, 
             "mean_confidence": policy.mean_confidence,
             "probe_interval": policy.probe_interval,
             "since_probe": 0,
+            "guard": policy.guard,  # a back-off outlives the call: the next one does not relearn it
         }
         policy.memory = learned.setdefault(key, fresh)
         for name, value in policy.memory.items():
@@ -390,7 +417,9 @@ class AutoWidth(RoundWidth):
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.probe_interval = FIRST_PROBE_INTERVAL  # plain rounds between probes (`drafts`)
         self.since_probe = 0  # plain rounds since the last probe
+        self.since_full_block = 0  # drafted rounds since the last that verified all K candidates
         self.memory: dict[str, Any] | None = None  # what later calls for the same draft start from (`width_policy`)
+        self.guard = GuardRail()  # what drafted rounds really commit per second, against plain steps
 
     # -- the round's questions (`RoundWidth`) -------------------------------------------------------------------
 
@@ -398,6 +427,7 @@ class AutoWidth(RoundWidth):
         """`drafts` over the drafter's stage plan (a call can end between a proposal and its verdict: a new
         round forgets an unanswered one)."""
         self.pending = None
+        self.guard.begin_round(batch_size, lambda _: self.cost.verify[1])
         return self.drafts(batch_size, self.stage_plan)
 
     def draft_further(self, tokens: torch.Tensor, scores: torch.Tensor) -> bool:
@@ -415,6 +445,7 @@ class AutoWidth(RoundWidth):
         width = min(self.best(predicted, self.stage_plan), tokens.shape[1])
         self.pending = (conf[:, :width], predicted)
         self.widths.append(width)
+        self.since_full_block = 0 if width == self.max_candidates else self.since_full_block + 1
         return width
 
     def learn(self, num_valid: list[int] | None) -> None:
@@ -423,11 +454,14 @@ class AutoWidth(RoundWidth):
             conf, predicted = self.pending
             accepted = torch.tensor([max(count - 1, 0) for count in num_valid], device=conf.device)
             self.observe(conf, accepted, predicted)
+        if num_valid is not None and self.widths:
+            self.guard.committed(self.widths[-1], sum(num_valid))
         self.pending = None
 
     def timed(self, stage: str, seconds: float) -> None:
         """What the rounds really cost feeds the cost model: drafter stages, and the verify of the width just chosen
-        (a plain round's is one token)."""
+        (a plain round's is one token); the guard rail hears every stage of the round."""
+        self.guard.stage(stage, seconds)
         if stage == "verify" and self.widths:
             self.cost.observe_verify(self.widths[-1] + 1, seconds)
         elif any(stage in stages for stages in self.stage_plan):
@@ -458,12 +492,15 @@ class AutoWidth(RoundWidth):
         """Before any draft forward: does drafting pay this round, judged on the priors alone? When it does not,
         the round is a plain decoding step that runs no drafter stage at all (what a weak draft costs then is only
         keeping its state). Every ``probe_interval`` such rounds one drafts and verifies the whole block anyway, so
-        the estimate of every position keeps following the text; the interval doubles while the probes keep losing,
+        the estimate of every position keeps following the text (and among drafted rounds, every
+        `DEEP_PROBE_INTERVAL`-th verifies the whole block); the interval doubles while the probes keep losing,
         up to `MAX_PROBE_INTERVAL` or longer where a probe loses so much that probing would cost more than
-        `EXPLORATION` of the time. The schedule carries over to the draft's next call."""
+        `EXPLORATION` of the time. The schedule carries over to the draft's next call. While the guard rail backs
+        off, drafting does not pay whatever the estimates say."""
         self.probing = False  # a new round
-        if self.best(torch.empty(batch_size, 0), draft_stages) > 0:
+        if self.best(torch.empty(batch_size, 0), draft_stages) > 0 and not self.guard.backing_off:
             self._schedule(FIRST_PROBE_INTERVAL, 0)
+            self.probing = self.since_full_block >= DEEP_PROBE_INTERVAL
             return True
         if self.since_probe + 1 < self.probe_interval:
             self._schedule(self.probe_interval, self.since_probe + 1)
@@ -481,6 +518,7 @@ class AutoWidth(RoundWidth):
         step = self.cost.round_seconds(0, draft_stages[0])
         tokens = 1 + sum(itertools.accumulate(self.prior, operator.mul))  # per row, the whole block verified
         loss = self.cost.round_seconds(self.max_candidates, draft_stages[-1]) - tokens * step
+        loss = max(loss, self.guard.probe_loss)  # what the last probe really lost, where the estimates miss it
         return max(MAX_PROBE_INTERVAL, math.ceil(loss / (EXPLORATION * step)))
 
     def _schedule(self, interval: int, since_probe: int) -> None:
@@ -492,13 +530,17 @@ class AutoWidth(RoundWidth):
     def observe(self, conf: torch.Tensor, accepted: torch.Tensor, predicted: torch.Tensor | None = None) -> None:
         """Update the priors with a round's acceptance (``conf`` ``[B, k]`` of the k verified candidates,
         ``accepted`` ``[B]`` counts). ``predicted`` ``[B, d]``: the acceptance predicted for all d >= k drafted
-        candidates; those drafted but not verified count at their prediction, so a draft whose candidates are
-        always cut away (width 0 after drafting) still teaches the priors that drafting does not pay."""
+        candidates; with a calibration, those drafted but not verified count at their prediction, so a draft whose
+        candidates are always cut away (width 0 after drafting) still teaches the priors that drafting does not
+        pay."""
         batch, k = conf.shape
         steps = torch.arange(k, device=accepted.device)
         reached = steps[None] <= accepted[:, None]  # the candidate was tested (earlier ones accepted)
         passed = steps[None] < accepted[:, None]
-        cut = predicted[:, k:].float().mean(0) if predicted is not None else conf.new_zeros(0)
+        # only a calibration's prediction is evidence: an uncalibrated one is the prior rescaled, and folding it back
+        # into the prior drifts it wherever the confidences of the cut candidates happen to sit
+        calibrated = predicted is not None and bool(self.calibration.rates)
+        cut = predicted[:, k:].float().mean(0) if calibrated else conf.new_zeros(0)
         tested = [reached.sum(0).float(), passed.sum(0).float(), (conf.float() * reached).sum(0)]
         values = torch.cat([*tested, cut]).tolist()  # one host sync
         counts = [values[i * k : (i + 1) * k] for i in range(3)]

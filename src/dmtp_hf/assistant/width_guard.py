@@ -1,0 +1,109 @@
+"""The guard rail of ``verify_length="auto"``: what drafted rounds really commit per second, against plain steps.
+
+`AutoWidth` chooses widths from estimates: acceptance per position and the cost of each width. Estimates can be
+wrong in ways no estimate sees (a stage the cost model does not price, such as a hybrid target's rollback replay,
+a machine whose load changes between the stages of a round). The guard does not estimate: it adds up what each
+round cost (every stage the statistics' timer reports between two rounds) and what it committed, and compares the
+drafted rounds of a recent window with plain decoding steps. When drafting has committed fewer tokens per second
+than plain steps would have, the policy backs off to plain steps, and only its probes draft until one of them beats
+plain steps again.
+
+Plain steps are measured where the policy runs them (its plain rounds, per batch size); before any, a plain step
+is priced as the cost model's one-token verify (which follows the machine's load) plus the round's own bookkeeping
+as measured in every round (the commit; a plain step has nothing to roll back). Nothing here reads a clock: tests
+feed it synthetic seconds.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+__all__ = ["GuardRail", "GUARD_WINDOW"]
+
+# Drafted rounds judged together: enough to average over the rounds where a draft is rejected early, few enough
+# that a loss stops within a fraction of a second of decoding.
+GUARD_WINDOW = 4
+# How fast measured plain steps and bookkeeping move their running means.
+PLAIN_RATE = 0.3
+# Stages that are not part of a round (the prompt's) and the outer wall time the round stages add up to.
+OUTSIDE_ROUNDS = frozenset({"prefill", "draft_prefill", "rounds"})
+# A round's bookkeeping, paid by plain steps as well (a rollback is not: a plain step rejects nothing).
+BOOKKEEPING = frozenset({"commit"})
+
+
+class GuardRail:
+    """Realised tokens per second of drafted rounds against plain steps over the last `GUARD_WINDOW` drafted
+    rounds; ``backing_off`` says the policy should decode plainly (and draft only its probes)."""
+
+    def __init__(self, window: int = GUARD_WINDOW) -> None:
+        self.drafted: deque[tuple[int, float]] = deque(maxlen=window)  # (tokens, seconds) of recent drafted rounds
+        self.plain_seconds: dict[int, float] = {}  # batch size -> running mean of a measured plain round
+        self.bookkeeping: float | None = None  # running mean of a round's commit seconds
+        self.backing_off = False
+        self.backoffs = 0  # times the guard stopped drafting
+        self.probe_loss = 0.0  # seconds the last losing probe cost beyond the plain steps for its tokens
+        # the open round: its batch size, width and committed tokens (once learned) and the seconds of its stages
+        self.batch_size: int | None = None
+        self.width: int | None = None
+        self.tokens: int | None = None
+        self.seconds = 0.0
+        self.round_bookkeeping = 0.0
+
+    def stage(self, name: str, seconds: float) -> None:
+        """A stage of the open round ended after ``seconds``."""
+        if name in OUTSIDE_ROUNDS:
+            return
+        self.seconds += seconds
+        if name in BOOKKEEPING:
+            self.round_bookkeeping += seconds
+
+    def committed(self, width: int, tokens: int) -> None:
+        """The open round verified ``width`` candidates per row and committed ``tokens`` over the batch."""
+        self.width = width
+        self.tokens = tokens
+
+    def begin_round(self, batch_size: int, plain_verify_seconds: Callable[[int], float]) -> None:
+        """Close the previous round (judge it) and open one of ``batch_size`` rows. ``plain_verify_seconds(B)``:
+        the cost model's current estimate of a one-token verify at batch size B."""
+        if self.tokens is not None and self.batch_size is not None and self.seconds > 0:
+            self._close(plain_verify_seconds)
+        self.batch_size = batch_size
+        self.width = None
+        self.tokens = None
+        self.seconds = 0.0
+        self.round_bookkeeping = 0.0
+
+    def plain_rate(self, batch_size: int, plain_verify_seconds: Callable[[int], float]) -> float:
+        """Tokens per second of plain steps at ``batch_size``: measured, else estimated (see the module docstring)."""
+        seconds = self.plain_seconds.get(batch_size)
+        if seconds is None:
+            seconds = plain_verify_seconds(batch_size) + (self.bookkeeping or 0.0)
+        return batch_size / seconds
+
+    def _close(self, plain_verify_seconds: Callable[[int], float]) -> None:
+        self.bookkeeping = _mean(self.bookkeeping, self.round_bookkeeping)
+        if self.width == 0:
+            self.plain_seconds[self.batch_size] = _mean(self.plain_seconds.get(self.batch_size), self.seconds)
+            return
+        rate = self.tokens / self.seconds
+        plain = self.plain_rate(self.batch_size, plain_verify_seconds)
+        if self.backing_off:  # a probe: one that beats plain steps ends the back-off
+            self.probe_loss = max(self.seconds - self.tokens / plain, 0.0)
+            if rate >= plain:
+                self.backing_off = False
+                self.drafted.clear()
+                self.drafted.append((self.tokens, self.seconds))
+            return
+        self.drafted.append((self.tokens, self.seconds))
+        if len(self.drafted) == self.drafted.maxlen:
+            tokens = sum(t for t, _ in self.drafted)
+            seconds = sum(s for _, s in self.drafted)
+            if tokens / seconds < plain:
+                self.backing_off = True
+                self.backoffs += 1
+                self.drafted.clear()
+
+
+def _mean(previous: float | None, value: float) -> float:
+    return value if previous is None else previous + PLAIN_RATE * (value - previous)
