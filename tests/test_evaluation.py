@@ -427,7 +427,7 @@ def test_bench_prints_every_baseline_side_by_side(models_dir, tmp_path):
     with redirect_stdout(buffer):
         assert main(argv) == 0
     printed = buffer.getvalue()
-    rows = ["generate", "dmtp", "dmtp:auto", "dflash", "mtp2", "prompt_lookup", "hf_use_mtp", "assisted"]
+    rows = ["generate", "dmtp", "dmtp:auto", "dflash", "mtp2", "prompt_lookup", "hf_use_mtp", "hf_dflash", "assisted"]
     table_lines = [line for line in printed.splitlines() if "│" in line]
     for name in rows:
         assert any(line.split("│")[1].strip() == name for line in table_lines), (name, printed)
@@ -510,6 +510,7 @@ def test_bench_notes_builtins_a_stateful_target_cannot_run(tmp_path):
     assert baselines["generate"].skipped is None
     for name in ("prompt_lookup", "hf_use_mtp", "assisted"):
         assert "stateful" in baselines[name].skipped
+    assert baselines["hf_dflash"].skipped == "no DFlash strategy in this run to take weights from"
 
 
 # ---------------------------------------------------------------------------------------------------------------

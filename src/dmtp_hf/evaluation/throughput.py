@@ -3,7 +3,8 @@
 Throughput = output tokens / wall time of the whole workload (prefill included, docs/design.md §6), reported as a
 ratio against plain ``target.generate`` at the same batch size. Rows: plain ``generate``; our DMTP, DFlash and
 MTP-k (``dmtp_hf.generate``); Transformers' prompt-lookup decoding, ``use_mtp=True`` (``MTPCandidateGenerator``,
-DeepSeek-V3/GLM-style heads) and assisted decoding with a small ``--assistant``. A method Transformers or the
+DeepSeek-V3/GLM-style heads), its own DFlash path (``speculation_type="dflash"``) on the run's DFlash weights, and
+assisted decoding with a small ``--assistant``. A method Transformers or the
 engine cannot run here is kept as a row with the reason (e.g. assisted decoding on a stateful hybrid target).
 
 Plain ``generate`` and our strategies run batched (left padding, ragged acceptance); Transformers' assisted
@@ -124,7 +125,35 @@ def build_baselines(
     )
     if assisted.skipped is None and is_stateful:
         assisted.skipped = stateful
-    return [*baselines, lookup, mtp, assisted]
+    return [*baselines, lookup, mtp, transformers_dflash_baseline(target, strategies, builtin, stateful), assisted]
+
+
+def transformers_dflash_baseline(target, strategies: list[Strategy], builtin, stateful: str) -> Baseline:
+    """Transformers' own DFlash path (``speculation_type="dflash"``) on the weights of the run's DFlash strategy,
+    converted to the assistant class it runs (`transformers_dflash_assistant`); a draft vocabulary is scored over
+    the full vocabulary there (said in the row)."""
+    from ..modeling.engine_export import transformers_dflash_assistant
+
+    name, description = "hf_dflash", "Transformers speculation_type='dflash' (DFlashTokenCandidateGenerator)"
+    source = next(
+        (s for s in strategies if s.kind == "dflash" and s.details.get("backbone") != "dflash2"),
+        None,
+    )
+    if source is None:
+        return Baseline(name, description, builtin(), skipped="no DFlash strategy in this run to take weights from")
+    if getattr(target, "_is_stateful", False):
+        return Baseline(name, description, builtin(), skipped=stateful)
+    draft = getattr(source.drafter, "draft", None)
+    if draft is None:
+        return Baseline(name, description, builtin(), skipped=f"{source.label} has no draft model to convert")
+    try:
+        assistant = transformers_dflash_assistant(draft, full_vocabulary=True)
+    except ValueError as err:
+        return Baseline(name, description, builtin(), skipped=str(err))
+    description += f", the weights of {source.label}, {assistant.config.block_size - 1} candidates"
+    if getattr(draft.config, "draft_vocab_size", None):
+        description += f" (its {draft.config.draft_vocab_size}-token draft vocabulary scored over the full one)"
+    return Baseline(name, description, builtin(assistant_model=assistant, speculation_type="dflash"))
 
 
 def strategy_method(strategy: Strategy) -> str:

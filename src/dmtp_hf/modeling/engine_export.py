@@ -1,5 +1,6 @@
 """Checkpoints for serving engines: a DMTP draft and its MTP head as one folder vLLM loads (``dmtp convert --to
-vllm``), and the LM head rows a draft vocabulary needs in any engine folder.
+vllm``), the LM head rows a draft vocabulary needs in any engine folder, and a DFlash draft as the assistant
+Transformers' own DFlash path runs (`transformers_dflash_assistant`).
 
 The vLLM folder is the DFlash layout (`io.save_dflash_checkpoint`) plus what DMTP adds, so the ``dmtp-vllm`` plugin
 (``integrations/vllm``) can build the draft from vLLM's own DFlash classes:
@@ -32,7 +33,14 @@ from torch import nn
 from .draft_vocab import draft_token_ids
 from .io import atomic_directory, backbone_state_dict
 
-__all__ = ["VLLM_ARCHITECTURE", "dflash_state_dict", "draft_vocab_lm_head", "save_vllm_draft", "vllm_config"]
+__all__ = [
+    "VLLM_ARCHITECTURE",
+    "dflash_state_dict",
+    "draft_vocab_lm_head",
+    "save_vllm_draft",
+    "transformers_dflash_assistant",
+    "vllm_config",
+]
 
 VLLM_ARCHITECTURE = "DFlashDMTPDraftModel"
 
@@ -116,3 +124,64 @@ def save_vllm_draft(
     with atomic_directory(save_directory) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
+
+
+# Our DFlash tensor names -> those of the assistant class Transformers' DFlash path runs (the rest are the same).
+_TRANSFORMERS_DFLASH_NAMES = {"fc.weight": "encoder.fc.weight", "hidden_norm.weight": "encoder.output_norm_enc.weight"}
+
+
+def transformers_dflash_assistant(draft: nn.Module, full_vocabulary: bool = False) -> nn.Module:
+    """The same DFlash weights as the assistant of Transformers' own DFlash path
+    (``target.generate(..., assistant_model=it, speculation_type="dflash")``, ``DFlashTokenCandidateGenerator``).
+
+    Transformers ships one class that path runs, ``MuseGlimmerAssistantModel``: a z-lab DFlash backbone (context
+    projection and its norm, decoder layers whose K/V read the projected target features and the block, QK-norm,
+    bidirectional within the block), so a DFlash draft converts by renaming two tensors. Its block holds
+    ``num_candidates + 1`` slots, as our engine drafts. Refused, with the reason: a draft that is not a DFlash draft
+    (DMTP's block is conditioned on T1; DFlash2's layers add convolutions and a selector), and a draft vocabulary
+    unless ``full_vocabulary``: Transformers scores the draft's hidden state with the target's whole LM head, whose
+    rows of the draft vocabulary are the draft's own LM head, so candidates differ only where a token outside the
+    draft vocabulary scores highest.
+    """
+    from transformers import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
+
+    config = draft.config
+    layout = config.dmtp_config.get("anchor_layout")
+    if layout != "dflash" or config.backbone == "dflash2":
+        raise ValueError(
+            f"Transformers' DFlash path runs plain DFlash drafts; this one is anchor_layout={layout!r} on the "
+            f"{config.backbone} backbone"
+        )
+    if getattr(config, "draft_vocab_size", None) and not full_vocabulary:
+        raise ValueError(
+            f"This draft predicts over a {config.draft_vocab_size}-token draft vocabulary; Transformers' DFlash path "
+            "scores the draft's hidden state with the target's LM head over the full vocabulary "
+            "(full_vocabulary=True accepts that)"
+        )
+    assistant_config = MuseGlimmerAssistantConfig(
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        rms_norm_eps=config.rms_norm_eps,
+        rope_parameters=dict(config.rope_parameters),
+        max_position_embeddings=config.max_position_embeddings,
+        sliding_window=config.sliding_window or config.max_position_embeddings,  # read by sliding layers only
+        layer_types=list(config.layer_types),
+        hidden_act=config.hidden_act,
+        block_size=config.dmtp_config["num_candidates"] + 1,
+        mask_token_id=config.dflash_config["mask_token_id"],
+        target_layer_ids=list(config.dflash_config["target_layer_ids"]),
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    assistant_config._attn_implementation = "sdpa"
+    assistant = MuseGlimmerAssistantModel(assistant_config)
+    backbone = backbone_state_dict(draft.state_dict())
+    state = {_TRANSFORMERS_DFLASH_NAMES.get(name, name): tensor for name, tensor in backbone.items()}
+    assistant.load_state_dict({name: state[name] for name in assistant.state_dict() if "rotary_emb" not in name})
+    parameter = next(draft.parameters())
+    return assistant.to(device=parameter.device, dtype=parameter.dtype).eval()
