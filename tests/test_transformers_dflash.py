@@ -1,4 +1,4 @@
-"""Our DFlash weights in Transformers' own DFlash path (``speculation_type="dflash"``): the peer ``dmtp bench`` times."""
+"""Our DFlash weights in Transformers' own DFlash path (``speculation_type="dflash"``): a peer in ``dmtp bench``."""
 
 from __future__ import annotations
 
