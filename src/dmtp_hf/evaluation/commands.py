@@ -147,7 +147,8 @@ def add_subcommands(sub) -> None:
     evaluate.set_defaults(func=cmd_eval)
 
     bench = sub.add_parser(
-        "bench", help="end-to-end throughput vs plain generate, prompt lookup, use_mtp and assisted decoding"
+        "bench",
+        help="end-to-end throughput vs plain generate, prompt lookup, use_mtp, Transformers' DFlash, assisted decoding",
     )
     _add_common(bench, "outputs/bench")
     bench.add_argument(
@@ -162,6 +163,19 @@ def add_subcommands(sub) -> None:
     )
     bench.add_argument(
         "--repeats", type=int, default=1, help="repeat the workload (interleaved) N times (default %(default)s)"
+    )
+    bench.add_argument(
+        "--burner",
+        type=int,
+        default=0,
+        metavar="CORES",
+        help="keep CORES cores busy with a CPU burner for the whole measurement, to time a loaded machine "
+        "(stopped with the run; default %(default)s)",
+    )
+    bench.add_argument(
+        "--threads",
+        type=int,
+        help="intra-op threads (default: the cores free when the run starts, less the burner's, at least 1)",
     )
     bench.add_argument(
         "--compile",
@@ -387,6 +401,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     """``dmtp bench``: time every baseline side by side; print one table, write JSON and a plot."""
     import torch
 
+    from ..machine import Burner, free_cores
     from ..modeling.io import atomic_write_json
     from ..training.features import load_target
     from .acceptance import encode_conversation, generation_kwargs
@@ -402,6 +417,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if args.prompt_lookup_tokens < 1:
         raise ValueError("--prompt-lookup-tokens must be >= 1")
+    if args.burner < 0 or (args.threads is not None and args.threads < 1):
+        raise ValueError("--burner must be >= 0 and --threads >= 1")
+    # threads that do not oversubscribe: counted before the burner starts, which then takes its cores
+    threads = args.threads or max(1, free_cores() - args.burner)
+    torch.set_num_threads(threads)
     loaded = _load(args)
     target, tokenizer, settings = loaded["target"], loaded["tokenizer"], loaded["settings"]
     assistant = None
@@ -432,9 +452,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     out = Path(args.output_dir)
 
     def write(results: dict) -> None:  # after every batch size too: an interrupted run keeps what it measured
+        results["settings"].update(threads=threads, burner_cores=args.burner)
         atomic_write_json(out / "bench.json", {**results, "models": models}, indent=1, allow_nan=False)
 
-    with torch.no_grad():
+    with torch.no_grad(), Burner(args.burner):
         results = run_benchmark(
             target,
             prompts,

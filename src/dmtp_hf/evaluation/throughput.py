@@ -15,6 +15,7 @@ timing.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -229,7 +230,7 @@ def _time_batch_size(bs: int, active: list[Baseline], prompts, pad_id: int, eos,
     """Every active method over every chunk of ``bs`` prompts, in an order rotated per chunk: summed output tokens
     and seconds per method, and (batch size 1, first repeat) each prompt's tokens."""
     chunks = [prompts[i : i + bs] for i in range(0, len(prompts), bs)]
-    totals = {b.name: {"output_tokens": 0, "seconds": 0.0, "same": 0, "compared": 0} for b in active}
+    totals = {b.name: {"output_tokens": 0, "seconds": 0.0, "runs": [[0, 0.0] for _ in range(repeats)]} for b in active}
     outputs: dict[str, dict[int, list[int]]] = {b.name: {} for b in active}
     for repeat in range(repeats):
         for index, chunk in enumerate(chunks):
@@ -244,8 +245,11 @@ def _time_batch_size(bs: int, active: list[Baseline], prompts, pad_id: int, eos,
                 _sync(device)
                 elapsed = time.perf_counter() - start
                 new = sequences[:, ids.shape[1] :]
-                totals[baseline.name]["output_tokens"] += count_output_tokens(new, eos)
+                tokens = count_output_tokens(new, eos)
+                totals[baseline.name]["output_tokens"] += tokens
                 totals[baseline.name]["seconds"] += elapsed
+                totals[baseline.name]["runs"][repeat][0] += tokens  # each repeat of the workload on its own
+                totals[baseline.name]["runs"][repeat][1] += elapsed
                 if bs == 1 and repeat == 0:
                     n = count_output_tokens(new, eos)
                     outputs[baseline.name][index] = new[0, :n].tolist()
@@ -258,10 +262,15 @@ def _record(bs: int, active: list[Baseline], totals, outputs, reference, plain: 
     share of prompts whose tokens equal plain generate's."""
     for baseline in active:
         t = totals[baseline.name]
+        runs = [tokens / seconds for tokens, seconds in t["runs"] if seconds]
         entry = {
             "output_tokens": t["output_tokens"],
             "seconds": t["seconds"],
             "tokens_per_second": t["output_tokens"] / t["seconds"] if t["seconds"] else None,
+            # every repeat of the workload on its own: the median and the spread (max - min) / median
+            "tokens_per_second_runs": runs,
+            "median_tokens_per_second": statistics.median(runs) if runs else None,
+            "spread": (max(runs) - min(runs)) / statistics.median(runs) if len(runs) > 1 else None,
         }
         if outputs and reference:
             same = sum(outputs[baseline.name].get(i) == ref for i, ref in reference.items())
@@ -375,7 +384,12 @@ def bench_table(results: dict[str, Any]):
 
     batch_sizes = results["settings"]["batch_sizes"]
     sampled = bool(results["settings"].get("temperature"))
-    table = Table(title="dmtp bench: output tokens/s (× plain generate) per batch size, prefill included")
+    repeats = results["settings"].get("repeats", 1)
+    load = results["settings"].get("burner_cores")
+    title = "dmtp bench: output tokens/s (× plain generate) per batch size, prefill included"
+    title += f"; ± spread of {repeats} repeats" if repeats > 1 else ""
+    title += f"; a CPU burner on {load} core{'s' if load != 1 else ''}" if load else ""
+    table = Table(title=title)
     table.add_column("method", no_wrap=True)
     for bs in batch_sizes:
         table.add_column(f"bs={bs}", justify="right", overflow="fold")
@@ -385,7 +399,10 @@ def bench_table(results: dict[str, Any]):
         for bs in batch_sizes:
             entry = baseline["results"][str(bs)]
             tps, speedup = (entry["tokens_per_second"], entry["speedup"]) if entry else (None, None)
-            cells.append("n/a" if not tps else f"{tps:.1f} ({speedup:.2f}×)" if speedup else f"{tps:.1f}")
+            cell = "n/a" if not tps else f"{tps:.1f} ({speedup:.2f}×)" if speedup else f"{tps:.1f}"
+            if tps and entry.get("spread") is not None:
+                cell += f" ±{100 * entry['spread'] / 2:.0f}%"
+            cells.append(cell)
         table.add_row(baseline["name"], *cells, _lossless_cell(baseline, sampled))
     legend = [
         f"{b['name']}: " + (f"skipped: {b['skipped']}" if b["skipped"] else b["description"])

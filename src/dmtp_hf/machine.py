@@ -1,0 +1,58 @@
+"""The machine timings run on: how many cores are free, and a bounded CPU burner to measure under load.
+
+Timings on a shared CPU depend on what else runs. Intra-op threads that outnumber the free cores make every method
+crawl (each parallel region waits for its slowest thread, and that one waits for a core), so demos and benchmarks
+pick their thread count from the cores actually free. `Burner` keeps some cores busy for the length of a measurement,
+so a table "with a burner on one core" means the same thing on every machine; it never outlives its ``with`` block
+(and each burner process stops by itself after ``max_seconds`` should its parent die).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+
+__all__ = ["Burner", "free_cores"]
+
+
+def free_cores(load: float | None = None) -> int:
+    """Cores not busy with other work: the cores this process may use less the one-minute load average (``load``
+    overrides it), at least 1."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if load is None:
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    return max(1, min(cores, round(cores - load)))
+
+
+def _burn(deadline: float) -> None:
+    x = 0
+    while time.monotonic() < deadline:  # pure-Python arithmetic: one core busy, no memory traffic to speak of
+        for _ in range(10_000):
+            x = (x * 1103515245 + 12345) & 0x7FFFFFFF
+
+
+class Burner:
+    """``with Burner(cores):`` keeps ``cores`` processes spinning on the CPU for the block (0: nothing)."""
+
+    def __init__(self, cores: int, max_seconds: float = 4 * 3600) -> None:
+        if cores < 0:
+            raise ValueError(f"a burner needs a number of cores >= 0, got {cores}")
+        self.cores = cores
+        self.max_seconds = max_seconds
+        self.processes: list[multiprocessing.Process] = []
+
+    def __enter__(self) -> Burner:
+        deadline = time.monotonic() + self.max_seconds
+        context = multiprocessing.get_context("spawn")  # no copy of a loaded model, no inherited threads
+        self.processes = [context.Process(target=_burn, args=(deadline,), daemon=True) for _ in range(self.cores)]
+        for process in self.processes:
+            process.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for process in self.processes:
+            process.terminate()
+        for process in self.processes:
+            process.join(timeout=10)
+        self.processes = []
