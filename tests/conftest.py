@@ -2,11 +2,10 @@ import os
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dmtp_hf import DMTPConfig, DMTPDraftModel
-from dmtp_hf_assets.tiny_targets import FAMILIES, load_tiny_target, make_tiny_target
+from dmtp_hf_assets.tiny_targets import FAMILIES, load_tiny_target, make_tiny_target, tiny_tokenizer
 
 VOCAB = 96
 HIDDEN = 32
@@ -133,33 +132,6 @@ def vocab6(tmp_path_factory):
 
 
 # The evaluation models: a tiny tokenizer and saved checkpoints the CLI can load
-
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{%- endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
-    "{%- if enable_thinking is defined and enable_thinking is false %}<think> </think>\n{%- endif %}{%- endif %}"
-)
-WORDS = (
-    "the a of to and is in what how many write python function number if you are for with that this it be on by "
-    "as can your + = ? . , $ ( ) : 1 2 3 4 5 0 def return list x y n each has more than his her their they we "
-    "<think> </think> user assistant"
-).split()
-SPECIALS = ["<|endoftext|>", "<|im_end|>", "<|im_start|>", "[UNK]"]  # <|im_end|> = 1 = the tiny target's EOS
-
-
-def tiny_tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {token: i for i, token in enumerate(SPECIALS + WORDS)}
-    assert len(vocab) < 127  # 127 is the drafts' mask token
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    backend.add_special_tokens(SPECIALS)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        unk_token="[UNK]",
-        chat_template=CHAT_TEMPLATE,
-    )
 
 
 @pytest.fixture(scope="module")

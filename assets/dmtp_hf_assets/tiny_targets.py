@@ -44,7 +44,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import PreTrainedConfig, PreTrainedModel
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerFast
 
 from dmtp_hf.modeling.native_mtp.fp8 import quantize_block_fp8
 from dmtp_hf.modeling.native_mtp.loading import load_target_checkpoint, mtp_ignore_patterns  # noqa: F401 (re-export)
@@ -56,6 +57,7 @@ __all__ = [
     "mtp_ignore_patterns",
     "read_checkpoint_tensors",
     "tiny_target_config",
+    "tiny_tokenizer",
 ]
 
 FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "deepseek_v3", "glm4_moe", "mimo")
@@ -419,3 +421,34 @@ def make_tiny_llama(directory: str | Path, *, seed: int = 0, vocab_size: int = 1
     path = Path(directory)
     LlamaForCausalLM(config).eval().save_pretrained(path)
     return path
+
+
+# The tiny tokenizer: a few words of the evaluation prompts, ChatML specials (`<|im_end|>` = 1 = the tiny targets' EOS).
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{%- if enable_thinking is defined and enable_thinking is false %}<think> </think>\n{%- endif %}{%- endif %}"
+)
+WORDS = (
+    "the a of to and is in what how many write python function number if you are for with that this it be on by "
+    "as can your + = ? . , $ ( ) : 1 2 3 4 5 0 def return list x y n each has more than his her their they we "
+    "<think> </think> user assistant"
+).split()
+SPECIALS = ["<|endoftext|>", "<|im_end|>", "<|im_start|>", "[UNK]"]  # <|im_end|> = 1 = the tiny target's EOS
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer of the tiny targets' vocabulary (ids below 127, the drafts' mask token) with a ChatML
+    template: enough for the CLI's chat prompts on a tiny target."""
+    vocab = {token: i for i, token in enumerate(SPECIALS + WORDS)}
+    assert len(vocab) < 127  # 127 is the drafts' mask token
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.add_special_tokens(SPECIALS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="[UNK]",
+        chat_template=CHAT_TEMPLATE,
+    )

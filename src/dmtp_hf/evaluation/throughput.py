@@ -140,10 +140,10 @@ def transformers_dflash_baseline(target, strategies: list[Strategy], builtin, st
         (s for s in strategies if s.kind == "dflash" and s.details.get("backbone") != "dflash2"),
         None,
     )
-    if source is None:
-        return Baseline(name, description, builtin(), skipped="no DFlash strategy in this run to take weights from")
     if getattr(target, "_is_stateful", False):
         return Baseline(name, description, builtin(), skipped=stateful)
+    if source is None:
+        return Baseline(name, description, builtin(), skipped="no DFlash strategy in this run to take weights from")
     draft = getattr(source.drafter, "draft", None)
     if draft is None:
         return Baseline(name, description, builtin(), skipped=f"{source.label} has no draft model to convert")
