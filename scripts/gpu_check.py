@@ -37,9 +37,9 @@ from dmtp_hf import DMTPConfig, DMTPDraftModel
 from dmtp_hf.assistant import DFlashDrafter, DMTPDrafter, MTPDrafter, SpecStats
 from dmtp_hf.assistant.generate import generate
 from dmtp_hf.assistant.stats import ROUND_STAGES
+from dmtp_hf.assistant.target.loading import load_target
 from dmtp_hf.evaluation.models import eos_token_ids, load_tokenizer
 from dmtp_hf.evaluation.prompts import load_bundled_set
-from dmtp_hf.training.features import load_target
 
 STAGE_TITLES = {
     "dflash": "fusion + DFlash forward + candidates",

@@ -95,6 +95,19 @@ def test_layers_import_only_downwards_and_never_the_assets():
     assert not problems, "\n".join(problems)
 
 
+def test_evaluation_loads_targets_without_the_training_package():
+    """Evaluation (and the serving exports in ``modeling``) load a target through ``assistant.target.loading``: a
+    user who evaluates or serves needs nothing of training."""
+    problems = [
+        f"{name} imports {imported}"
+        for name, path in library_modules().items()
+        if layer_of(name) == "evaluation"
+        for imported in imports_of(path)
+        if layer_of(imported) == "training"
+    ]
+    assert not problems, "\n".join(problems)
+
+
 def test_no_import_cycles():
     modules = library_modules()
     graph = defaultdict(set)

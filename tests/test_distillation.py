@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from dmtp_hf.assistant.target.loading import freeze, load_target
 from dmtp_hf.modeling import load_native_mtp
 from dmtp_hf.training import (
     FeatureExtractor,
@@ -23,7 +24,7 @@ from dmtp_hf.training import (
     plan_blocks,
 )
 from dmtp_hf.training.data import mixed_dataset, parse_mix_item
-from dmtp_hf.training.features import freeze, load_target, teacher_labels
+from dmtp_hf.training.features import teacher_labels
 from dmtp_hf.training.mtp_objective import MTPHeadObjective
 from dmtp_hf_assets.tiny_targets import make_tiny_target
 

@@ -124,8 +124,8 @@ def test_training_from_scratch_builds_the_vocabulary_from_the_answers(tmp_path, 
     from test_dflash2 import SELECTOR
     from test_training import make_config, random_dataset
 
+    from dmtp_hf.assistant.target.loading import load_target
     from dmtp_hf.training import Trainer
-    from dmtp_hf.training.features import load_target
 
     config = make_config(tmp_path, max_steps=2, save_every=2)
     config.draft_config["draft_vocab_size"] = 24
@@ -182,9 +182,9 @@ def test_a_retrofitted_head_over_a_draft_vocabulary_round_trips_and_stays_lossle
 def test_head_training_builds_its_vocabulary_and_saves_it(tmp_path, target_dir):  # noqa: F811
     from test_training import make_config
 
+    from dmtp_hf.assistant.target.loading import load_target
     from dmtp_hf.modeling.native_mtp import load_native_mtp
     from dmtp_hf.training import Trainer, synthetic_greedy_dataset
-    from dmtp_hf.training.features import load_target
 
     target = load_target(target_dir)
     data = synthetic_greedy_dataset(target, 16, 16, seed=3)

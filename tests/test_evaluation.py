@@ -193,8 +193,8 @@ def test_omitted_paths_resolve_to_the_bundled_models():
 
 def test_default_strategies_bind_the_tuned_head_and_the_native_one_where_trained():
 
+    from dmtp_hf.assistant.target.loading import load_target
     from dmtp_hf.evaluation.models import build_strategies, resolve_model_paths
-    from dmtp_hf.training.features import load_target
 
     paths = resolve_model_paths(None, None)
     target = load_target(paths.target, dtype=torch.float32)

@@ -12,12 +12,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from test_training import make_config
 
+from dmtp_hf.assistant.target.loading import load_target
 from dmtp_hf.modeling.native_mtp import export_mtp_into_target, load_native_mtp, load_target_checkpoint
 from dmtp_hf.modeling.native_mtp.export import head_checkpoint_tensors
 from dmtp_hf.modeling.native_mtp.fp8 import dequantize_block_fp8, quantize_block_fp8
 from dmtp_hf.modeling.native_mtp.loading import checkpoint_to_head_state_dict
 from dmtp_hf.training import Trainer, synthetic_greedy_dataset
-from dmtp_hf.training.features import load_target
 from dmtp_hf_assets.tiny_targets import FAMILIES, TINY_FP8_BLOCK, make_tiny_target, read_checkpoint_tensors
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # the tiny models are overhead-bound

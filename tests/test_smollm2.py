@@ -17,12 +17,12 @@ from conftest import draft_for
 
 import dmtp_hf.bundled as bundled
 import dmtp_hf.bundled.smollm2 as smollm2
+from dmtp_hf.assistant.target.loading import load_target
 from dmtp_hf.bundled import NotBuiltError, bundle_paths
 from dmtp_hf.cli import main
 from dmtp_hf.evaluation.acceptance import EvalSettings, encode_conversation, generation_kwargs
 from dmtp_hf.evaluation.models import eos_token_ids, load_tokenizer
 from dmtp_hf.modeling.native_mtp import load_native_mtp, new_mtp_head, save_mtp_head
-from dmtp_hf.training.features import load_target
 
 pytest.importorskip("gguf")
 from dmtp_hf_assets.tiny_gguf import TINY_GGUF_CHAT_TEMPLATE, make_tiny_llama_gguf

@@ -20,6 +20,7 @@ from tokenizers import decoders as tk_decoders
 from transformers import PreTrainedTokenizerFast
 
 from dmtp_hf import DMTPDraftModel
+from dmtp_hf.assistant.target.loading import freeze, load_target
 from dmtp_hf.modeling import load_native_mtp
 from dmtp_hf.training import (
     ChatRenderer,
@@ -40,7 +41,7 @@ from dmtp_hf.training import (
     regenerate,
     summarize_metrics,
 )
-from dmtp_hf.training.features import freeze, load_target, precompute_features
+from dmtp_hf.training.features import precompute_features
 from dmtp_hf.training.regenerate import completed_ids
 from dmtp_hf_assets.tiny_targets import make_tiny_target
 

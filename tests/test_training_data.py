@@ -12,11 +12,11 @@ import pytest
 import torch
 from test_training import make_config as training_config
 
+from dmtp_hf.assistant.target.loading import load_target
 from dmtp_hf.modeling import io
 from dmtp_hf.modeling.io import atomic_directory
 from dmtp_hf.training import TokenizedDataset, TrainConfig, Trainer, load_dataset_records, read_jsonl
 from dmtp_hf.training.data import data_fingerprints
-from dmtp_hf.training.features import load_target
 from dmtp_hf_assets.tiny_targets import make_tiny_target
 
 VOCAB, MASK = 128, 127

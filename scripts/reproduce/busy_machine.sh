@@ -4,7 +4,7 @@
 # weights; Transformers' use_mtp on the same MTP head), three interleaved repeats each, once on a quiet machine and
 # once with a CPU burner on one core for the whole run (`dmtp bench --burner 1`; it stops with the run).
 #
-#   bash scripts/reproduce/busy_machine.sh [bundled|smollm2|mtp|all]    (default all; about 1.5 hours on 2 cores)
+#   bash scripts/reproduce/busy_machine.sh [bundled|smollm2|mtp|demo|all]    (default all; about an hour on 2 cores)
 #
 # Held-out prompts: the first items of the corpus' code and chat questions (no benchmark set, nothing tuned on them).
 # The bench picks its threads from the cores free when it starts, less the burner's.
@@ -42,5 +42,21 @@ tiny_tokenizer().save_pretrained(make_tiny_target('deepseek_v3', '$TINY'))"
     $DMTP bench --target "$TINY" --strategies mtp1,mtp1:auto,mtp2 --datasets gsm8k,mt_bench --limit 4 \
       --max-new-tokens 64 --batch-sizes 1 --repeats 3 --burner $burner --output-dir "$OUT/mtp-burner$burner" \
       --no-progress
+  fi
+  if [ "$WHAT" = demo ] || [ "$WHAT" = all ]; then
+    # how long `make demo-smollm2` takes once its target is set up, and what it prints, quiet and loaded
+    .venv/bin/python - "$burner" "$OUT/demo-smollm2-burner$burner.txt" <<'PY'
+import contextlib, io, sys, time
+from dmtp_hf.demo import run_demo
+from dmtp_hf.machine import Burner
+burner, path = int(sys.argv[1]), sys.argv[2]
+printed = io.StringIO()
+with Burner(burner), contextlib.redirect_stdout(printed):
+    start = time.perf_counter()
+    code = run_demo(max_new_tokens=96, bundle="smollm2")
+    seconds = time.perf_counter() - start
+with open(path, "w") as f:
+    f.write(printed.getvalue() + f"\n[dmtp demo --bundle smollm2: {seconds:.0f} s, burner on {burner} core(s), exit {code}]\n")
+PY
   fi
 done

@@ -148,8 +148,8 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "src"))
     from transformers import AutoTokenizer
 
+    from dmtp_hf.assistant.target.loading import load_target
     from dmtp_hf.modeling.draft_vocab import frequency_ranked_vocabulary
-    from dmtp_hf.training.features import load_target
 
     sizes = [int(s) for s in args.sizes.split(",")]
     tokenizer = AutoTokenizer.from_pretrained(args.target)

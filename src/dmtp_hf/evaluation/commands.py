@@ -244,7 +244,7 @@ def _settings(args: argparse.Namespace):
 
 def _load(args: argparse.Namespace) -> dict[str, Any]:
     """Validate prompts and settings first (cheap, fails fast), then load target, tokenizer and strategies."""
-    from ..training.features import load_target
+    from ..assistant.target.loading import load_target
     from .models import (
         build_strategies,
         load_tokenizer,
@@ -401,9 +401,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     """``dmtp bench``: time every baseline side by side; print one table, write JSON and a plot."""
     import torch
 
+    from ..assistant.target.loading import load_target
     from ..machine import Burner, free_cores
     from ..modeling.io import atomic_write_json
-    from ..training.features import load_target
     from .acceptance import encode_conversation, generation_kwargs
     from .models import eos_token_ids
     from .throughput import (

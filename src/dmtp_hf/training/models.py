@@ -22,6 +22,7 @@ import torch
 from accelerate.utils import set_seed
 from torch import nn
 
+from ..assistant.target.loading import freeze
 from ..modeling import DMTPConfig, DMTPDraftModel, load_native_mtp
 from ..modeling.configuration_dmtp import DEFAULT_NUM_CANDIDATES
 from ..modeling.draft_vocab import frequency_ranked_vocabulary, set_draft_vocabulary
@@ -29,7 +30,6 @@ from ..modeling.native_mtp import NativeMTPHead, new_mtp_head
 from ..modeling.native_mtp.export import save_mtp_head
 from ..modeling.references import deepcopy_sharing
 from .config import TrainConfig
-from .features import freeze
 from .mtp_objective import JointObjective, MTPHeadObjective
 from .objective import DMTPTrainingObjective
 from .protocol import TrainingObjective, unwrap_peft

@@ -229,7 +229,7 @@ def regenerate_endpoint(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``dmtp regenerate``: rewrite the assistant turns of a chat JSONL with the target (greedy by default)."""
-    from .features import load_target
+    from ..assistant.target.loading import load_target
 
     parser = argparse.ArgumentParser(prog="dmtp regenerate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", help="target checkpoint (local generation)")

@@ -33,11 +33,12 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
+from ..assistant.target.loading import freeze, load_target
 from ..modeling import DMTPDraftModel
 from .checkpoints import Checkpointer, weights_only_checkpoint
 from .config import TrainConfig
 from .data import collate, data_fingerprints, training_datasets
-from .features import FeatureExtractor, freeze, load_target, teacher_labels
+from .features import FeatureExtractor, teacher_labels
 from .interruptions import GracefulStop, TrainingInterrupted, terminal_interrupts_to_this_process
 from .models import build_mtp_head, build_objective, fill_draft_vocabulary, fill_head_vocabulary, trained_draft
 from .objective import anchor_scores, plan_blocks
