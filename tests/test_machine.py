@@ -19,6 +19,14 @@ def test_free_cores_leaves_the_busy_ones_to_their_owners():
     assert free_cores(load=1.0) == max(1, cores - 1)
 
 
+def test_busy_cores_are_measured_now_so_a_burner_counts():
+    from dmtp_hf.machine import _busy_cores
+
+    with Burner(1):
+        time.sleep(0.3)  # the process has started spinning
+        assert _busy_cores(0.5) >= 0.7  # other work on the machine only adds
+
+
 def test_the_burner_keeps_its_cores_busy_only_inside_its_block():
     with Burner(1) as burner:
         (process,) = burner.processes

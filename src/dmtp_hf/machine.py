@@ -16,13 +16,41 @@ import time
 __all__ = ["Burner", "free_cores"]
 
 
-def free_cores(load: float | None = None) -> int:
-    """Cores not busy with other work: the cores this process may use less the one-minute load average (``load``
-    overrides it), at least 1."""
+def free_cores(load: float | None = None, window: float = 0.5) -> int:
+    """Cores not busy with other work: the cores this process may use less the cores busy now, at least 1.
+
+    "Busy now" is measured over ``window`` seconds from ``/proc/stat`` (Linux), so a run that just ended does not
+    count (the one-minute load average remembers it for minutes); elsewhere the load average. ``load`` overrides
+    the measurement.
+    """
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if load is None:
-        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+        load = _busy_cores(window)
     return max(1, min(cores, round(cores - load)))
+
+
+def _busy_cores(window: float) -> float:
+    """Cores' worth of CPU time spent busy over the next ``window`` seconds, machine-wide."""
+    first = _cpu_times()
+    if first is None:
+        return os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    time.sleep(window)
+    second = _cpu_times()
+    busy = second[0] - first[0]
+    total = second[1] - first[1]
+    cpus = os.cpu_count() or 1
+    return cpus * busy / total if total > 0 else 0.0
+
+
+def _cpu_times() -> tuple[int, int] | None:
+    """(busy, total) jiffies of all CPUs from ``/proc/stat``; None where there is none."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = [int(x) for x in stat.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
 
 
 def _burn(deadline: float) -> None:

@@ -21,13 +21,19 @@ from collections.abc import Callable
 
 __all__ = ["GuardRail", "GUARD_WINDOW"]
 
-# Drafted rounds judged together: enough to average over the rounds where a draft is rejected early, few enough
-# that a loss stops within a fraction of a second of decoding.
-GUARD_WINDOW = 4
+# Drafted rounds judged together: enough to average over the rounds where a draft is rejected early (a window of
+# unlucky rounds must not stop a draft that wins), few enough that a loss stops within a second of decoding.
+GUARD_WINDOW = 8
+# Probes (drafted rounds while backing off) whose rate together must beat plain steps to resume drafting: one lucky
+# probe is not enough where a round's acceptance is a coin toss.
+PROBES_TO_RESUME = 2
 # How fast measured plain steps and bookkeeping move their running means.
 PLAIN_RATE = 0.3
-# Stages that are not part of a round (the prompt's) and the outer wall time the round stages add up to.
-OUTSIDE_ROUNDS = frozenset({"prefill", "draft_prefill", "rounds"})
+# Stages that are not part of a round (the prompt's) and the outer wall time the round stages add up to, and the
+# MTP head catching up on the pairs committed since it last ran: a cost of keeping the drafter's state, paid per
+# committed token whatever the widths, which plain rounds only defer to the next drafted one (charged to that round,
+# it would make every probe after a plain streak lose by the streak's length).
+OUTSIDE_ROUNDS = frozenset({"prefill", "draft_prefill", "rounds", "mtp"})
 # A round's bookkeeping, paid by plain steps as well (a rollback is not: a plain step rejects nothing).
 BOOKKEEPING = frozenset({"commit"})
 
@@ -88,21 +94,22 @@ class GuardRail:
             return
         rate = self.tokens / self.seconds
         plain = self.plain_rate(self.batch_size, plain_verify_seconds)
-        if self.backing_off:  # a probe: one that beats plain steps ends the back-off
+        if self.backing_off:  # a probe: the probes since the back-off, together, must beat plain steps to end it
             self.probe_loss = max(self.seconds - self.tokens / plain, 0.0)
-            if rate >= plain:
-                self.backing_off = False
-                self.drafted.clear()
-                self.drafted.append((self.tokens, self.seconds))
-            return
-        self.drafted.append((self.tokens, self.seconds))
-        if len(self.drafted) == self.drafted.maxlen:
+            self.drafted.append((self.tokens, self.seconds))
             tokens = sum(t for t, _ in self.drafted)
             seconds = sum(s for _, s in self.drafted)
+            if len(self.drafted) >= PROBES_TO_RESUME and tokens / seconds >= plain:
+                self.backing_off = False
+            return
+        self.drafted.append((self.tokens, self.seconds))
+        if len(self.drafted) == self.drafted.maxlen:  # judged once per window, not on every round of a sliding one
+            tokens = sum(t for t, _ in self.drafted)
+            seconds = sum(s for _, s in self.drafted)
+            self.drafted.clear()  # the next window, or (backing off) the probes
             if tokens / seconds < plain:
                 self.backing_off = True
                 self.backoffs += 1
-                self.drafted.clear()
 
 
 def _mean(previous: float | None, value: float) -> float:

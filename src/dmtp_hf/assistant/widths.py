@@ -80,13 +80,15 @@ PRIOR_RATE = 0.1
 FIRST_PROBE_INTERVAL = 2
 MAX_PROBE_INTERVAL = 32
 EXPLORATION = 0.02
-# Drafted rounds that verify fewer than K candidates between two that verify the whole block (`AutoWidth.drafts`):
-# positions past the chosen width are otherwise never tested again, and one unlucky estimate would stay wrong.
+# Drafted rounds that verify fewer than K candidates between two that verify the whole block (`AutoWidth.drafts`),
+# at least: positions past the chosen width are otherwise never tested again, and one unlucky estimate would stay
+# wrong. Longer where such a probe would cost more than EXPLORATION of the time.
 DEEP_PROBE_INTERVAL = 8
-# How fast measured round costs move the estimates (`CostModel.observe_verify`): a width's own observations, and the
-# pull of the overall load on widths not run lately.
+# How fast measured round costs move the estimates (`CostModel.observe_verify`): the load and a width's own
+# observations; and how fast what was seen of a width not run lately fades (a width found dear on a busy machine
+# is not written off for good; deep probes see it again).
 LEARNING_RATE = 0.3
-DRIFT_RATE = 0.1
+DRIFT_RATE = 0.02
 
 
 def confidences(tokens: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -232,9 +234,10 @@ class CostModel:
 
     The forward's seconds start from a one-off timing (``verify``: tokens in the forward -> seconds, measured once
     per target/device/dtype/batch, or given) and then follow what the generation's own verify stages cost
-    (`observe_verify`): each width keeps the ratio of its observed to its timed cost, and widths not run lately
-    drift toward the ratio of all recent rounds (``load``), so a change of machine load moves every estimate within
-    a few rounds and a width that has become dearer than the others is priced as such. Drafter stages are running
+    (`observe_verify`): the ratio of observed to timed cost over all recent rounds (``load``) scales every width,
+    and each width keeps how much dearer or cheaper than that it ran (fading slowly while it is not run), so a
+    change of machine load moves every estimate within a few rounds and a width that has become dearer than the
+    others is priced as such. Drafter stages are running
     means of what the generation measured (`update`). Nothing here reads a clock: the statistics' timer feeds it,
     so tests drive it with synthetic seconds. ``follow_rounds=False`` keeps the verify costs as given (a caller's
     own cost table, trusted as it is).
@@ -244,12 +247,13 @@ class CostModel:
         self.follow_rounds = follow_rounds
         self.timed = dict(verify)  # the one-off timing
         self.stages: dict[str, float] = {}
-        # observed / timed, over recent rounds of every width ("load") and per width ("ratios": tokens in the
-        # forward -> ratio); `measure` shares them with later calls for the same target and batch size
+        # observed / timed over recent rounds of every width ("load"), and per width its observed / timed relative
+        # to the load ("ratios": tokens in the forward -> ratio; 1 = as timed, scaled with the machine); `measure`
+        # shares them with later calls for the same target and batch size
         self.learned = learned if learned is not None else {}
         self.learned.setdefault("load", 1.0)
         self.learned.setdefault("ratios", {})
-        self.verify = {width: t * self.ratios.get(width, self.load) for width, t in self.timed.items()}  # estimates
+        self._estimate()  # the current estimates, `verify`: tokens in the forward -> seconds
 
     @property
     def load(self) -> float:
@@ -262,11 +266,12 @@ class CostModel:
 
     @property
     def ratios(self) -> dict[int, float]:
-        """Observed / timed verify seconds per width that has run."""
+        """Per width that has run: its observed / timed verify seconds relative to the load's."""
         return self.learned["ratios"]
 
     def observe_verify(self, tokens: int, seconds: float) -> None:
-        """A verify stage over ``tokens`` positions took ``seconds``: update that width's estimate and the load."""
+        """A verify stage over ``tokens`` positions took ``seconds``: update the load and that width's cost relative
+        to it; every estimate is its timing x the load x its relative cost."""
         if not self.follow_rounds:
             return
         tokens = min(tokens, max(self.timed))
@@ -275,10 +280,14 @@ class CostModel:
         for width in self.timed:
             if width == tokens:
                 previous = self.ratios.get(width)
-                self.ratios[width] = ratio if previous is None else previous + LEARNING_RATE * (ratio - previous)
-            elif width in self.ratios:  # not run this round: toward what the machine does now
-                self.ratios[width] += DRIFT_RATE * (self.load - self.ratios[width])
-            self.verify[width] = self.timed[width] * self.ratios.get(width, self.load)
+                relative = ratio / self.load
+                self.ratios[width] = relative if previous is None else previous + LEARNING_RATE * (relative - previous)
+            elif width in self.ratios:  # not run this round: what was seen of it fades, slowly, into the load's
+                self.ratios[width] += DRIFT_RATE * (1.0 - self.ratios[width])
+        self._estimate()
+
+    def _estimate(self) -> None:
+        self.verify = {width: t * self.load * self.ratios.get(width, 1.0) for width, t in self.timed.items()}
 
     @classmethod
     def measure(
@@ -492,15 +501,16 @@ class AutoWidth(RoundWidth):
         """Before any draft forward: does drafting pay this round, judged on the priors alone? When it does not,
         the round is a plain decoding step that runs no drafter stage at all (what a weak draft costs then is only
         keeping its state). Every ``probe_interval`` such rounds one drafts and verifies the whole block anyway, so
-        the estimate of every position keeps following the text (and among drafted rounds, every
-        `DEEP_PROBE_INTERVAL`-th verifies the whole block); the interval doubles while the probes keep losing,
+        the estimate of every position keeps following the text (and among narrower drafted rounds, one in
+        `_deep_interval` verifies the whole block); the interval doubles while the probes keep losing,
         up to `MAX_PROBE_INTERVAL` or longer where a probe loses so much that probing would cost more than
         `EXPLORATION` of the time. The schedule carries over to the draft's next call. While the guard rail backs
-        off, drafting does not pay whatever the estimates say."""
+        off, only its probes draft, at the width the estimates choose."""
         self.probing = False  # a new round
-        if self.best(torch.empty(batch_size, 0), draft_stages) > 0 and not self.guard.backing_off:
+        best = self.best(torch.empty(batch_size, 0), draft_stages)
+        if best > 0 and not self.guard.backing_off:
             self._schedule(FIRST_PROBE_INTERVAL, 0)
-            self.probing = self.since_full_block >= DEEP_PROBE_INTERVAL
+            self.probing = self.since_full_block >= self._deep_interval(best, draft_stages)
             return True
         if self.since_probe + 1 < self.probe_interval:
             self._schedule(self.probe_interval, self.since_probe + 1)
@@ -509,14 +519,32 @@ class AutoWidth(RoundWidth):
             self.plain += 1
             return False
         self._schedule(min(2 * self.probe_interval, self._longest_interval(batch_size, draft_stages)), 0)
-        self.probing = True
+        # a probe of the estimates (no width pays) verifies the whole block, to test every position again; a probe
+        # of the guard rail (the estimates say draft, the measured rounds said otherwise) drafts what they choose
+        self.probing = best == 0
         return True
+
+    def _expected_tokens(self, width: int) -> float:
+        """Tokens a row commits in expectation verifying ``width`` candidates, by the priors."""
+        return 1 + sum(itertools.accumulate(self.prior[:width], operator.mul))
+
+    def _deep_interval(self, best: int, draft_stages: list[list[str]]) -> int:
+        """Narrow drafted rounds between two that verify the whole block: at least `DEEP_PROBE_INTERVAL`, longer
+        where the whole block's expected loss against the best width would cost more than `EXPLORATION` of the
+        time (a wide verify dear on this machine, a DFlash forward that rarely pays)."""
+        if best >= self.max_candidates:
+            return DEEP_PROBE_INTERVAL
+        best_round = self.cost.round_seconds(best, draft_stages[best])
+        per_token = best_round / self._expected_tokens(best)
+        full_round = self.cost.round_seconds(self.max_candidates, draft_stages[-1])
+        loss = full_round - self._expected_tokens(self.max_candidates) * per_token
+        return max(DEEP_PROBE_INTERVAL, math.ceil(loss / (EXPLORATION * best_round)))
 
     def _longest_interval(self, batch_size: int, draft_stages: list[list[str]]) -> int:
         """Plain rounds between probes at which a probe's expected loss (its round's time, less the plain steps that
         would commit its expected tokens) is `EXPLORATION` of the time; at least `MAX_PROBE_INTERVAL`."""
         step = self.cost.round_seconds(0, draft_stages[0])
-        tokens = 1 + sum(itertools.accumulate(self.prior, operator.mul))  # per row, the whole block verified
+        tokens = self._expected_tokens(self.max_candidates)  # per row, the whole block verified
         loss = self.cost.round_seconds(self.max_candidates, draft_stages[-1]) - tokens * step
         loss = max(loss, self.guard.probe_loss)  # what the last probe really lost, where the estimates miss it
         return max(MAX_PROBE_INTERVAL, math.ceil(loss / (EXPLORATION * step)))
