@@ -92,7 +92,6 @@ class GuardRail:
         if self.width == 0:
             self.plain_seconds[self.batch_size] = _mean(self.plain_seconds.get(self.batch_size), self.seconds)
             return
-        rate = self.tokens / self.seconds
         plain = self.plain_rate(self.batch_size, plain_verify_seconds)
         if self.backing_off:  # a probe: the probes since the back-off, together, must beat plain steps to end it
             self.probe_loss = max(self.seconds - self.tokens / plain, 0.0)
