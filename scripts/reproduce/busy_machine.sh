@@ -53,7 +53,7 @@ burner, path = int(sys.argv[1]), sys.argv[2]
 printed = io.StringIO()
 with Burner(burner), contextlib.redirect_stdout(printed):
     start = time.perf_counter()
-    code = run_demo(max_new_tokens=96, bundle="smollm2")
+    code = run_demo(bundle="smollm2")
     seconds = time.perf_counter() - start
 with open(path, "w") as f:
     f.write(printed.getvalue() + f"\n[dmtp demo --bundle smollm2: {seconds:.0f} s, burner on {burner} core(s), exit {code}]\n")

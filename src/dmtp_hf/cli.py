@@ -113,7 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="run DMTP on the bundled small models and print acceptance statistics")
-    demo.add_argument("--max-new-tokens", type=int, default=96)
+    demo.add_argument(
+        "--max-new-tokens", type=int, help="new tokens per prompt (default: 96 on the bundled models, 64 on SmolLM2)"
+    )
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument(
         "--bundle",

@@ -41,13 +41,14 @@ ABOUT = {
     "smollm2": "SmolLM2-135M-Instruct with a retrofitted MTP head and drafts trained on its own answers (CPU budget).",
 }
 REPEATS = 3  # timed runs per method after a warm-up; the median is reported (CPU timings swing)
+DEMO_TOKENS = {"bundled": 96, "smollm2": 64}  # new tokens per prompt: SmolLM2 is ~15x the bundled target per token
 
 
-def _interleaved_medians(runs: dict, repeats: int = REPEATS) -> dict[str, tuple[list[float], object]]:
-    """The timed wall times (sorted) and last output of each ``runs[label]()``, one run of each in turn.
+def _interleaved_medians(runs: dict, prompts: list, repeats: int = REPEATS) -> dict[str, tuple[list[float], object]]:
+    """The timed wall times (sorted) and last output of each ``runs[label](prompts)``, one run of each in turn.
 
-    Round 0 is an untimed warm-up; a progress bar on stderr counts every run, since on a busy machine one method
-    can take minutes.
+    Round 0 is an untimed warm-up on the first prompt alone (kernels, caches, the costs ``auto`` times once); a
+    progress bar on stderr counts every run, since on a busy machine one method can take minutes.
     """
     times: dict[str, list[float]] = {label: [] for label in runs}
     outputs: dict[str, object] = {}
@@ -56,7 +57,7 @@ def _interleaved_medians(runs: dict, repeats: int = REPEATS) -> dict[str, tuple[
             for label, run in runs.items():
                 bar.set_postfix_str(f"{label}, {'warm-up' if round_index == 0 else f'run {round_index}/{repeats}'}")
                 start = time.perf_counter()
-                outputs[label] = run()
+                outputs[label] = run(prompts if round_index else prompts[:1])
                 if round_index:
                     times[label].append(time.perf_counter() - start)
                 bar.update()
@@ -67,8 +68,10 @@ def _median(times: list[float]) -> float:
     return times[len(times) // 2]
 
 
-def run_demo(max_new_tokens: int = 48, seed: int = 0, bundle: str = "bundled") -> int:
-    """Run the demo on a bundle's models (``bundled`` or ``smollm2``) and return a process exit code."""
+def run_demo(max_new_tokens: int | None = None, seed: int = 0, bundle: str = "bundled") -> int:
+    """Run the demo on a bundle's models (``bundled`` or ``smollm2``) and return a process exit code.
+    ``max_new_tokens``: per prompt (default `DEMO_TOKENS` of the bundle: a few minutes on two CPU cores)."""
+    max_new_tokens = max_new_tokens or DEMO_TOKENS[bundle]
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import dmtp_hf
@@ -104,18 +107,18 @@ def run_demo(max_new_tokens: int = 48, seed: int = 0, bundle: str = "bundled") -
     kwargs = dict(do_sample=False, max_new_tokens=max_new_tokens)
 
     def speculative(model, **options):
-        return lambda: [
-            dmtp_hf.generate(target, ids, model, return_dict_in_generate=True, **options, **kwargs) for ids in prompts
+        return lambda batch: [
+            dmtp_hf.generate(target, ids, model, return_dict_in_generate=True, **options, **kwargs) for ids in batch
         ]
 
     methods = {
-        "plain": lambda: [target.generate(ids, **kwargs) for ids in prompts],
+        "plain": lambda batch: [target.generate(ids, **kwargs) for ids in batch],
         "DMTP": speculative(dmtp),
         'DMTP "auto"': speculative(dmtp, verify_length="auto"),
         "DFlash": speculative(dflash),
         "native MTP-1": speculative(dmtp, strategy="mtp"),
     }
-    timed = _interleaved_medians(methods)
+    timed = _interleaved_medians(methods, prompts)
     plain_times, plain = timed.pop("plain")
     runs = [(label, outs, times) for label, (times, outs) in timed.items()]
     _print_results(tokenizer, prompts, plain, plain_times, runs)
