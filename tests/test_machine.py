@@ -58,3 +58,26 @@ def test_bench_under_a_burner_reports_threads_load_and_the_spread_of_repeats(mod
     assert "hf_dflash" in names  # Transformers' own DFlash path on the same weights, timed side by side
     printed = " ".join(capsys.readouterr().out.split())  # the table's title wraps
     assert "± spread of 2 repeats" in printed and "a CPU burner on 1 core" in printed
+
+
+def test_a_burner_stops_when_its_parent_is_killed():
+    """A run killed by a signal cannot stop its burners; they stop themselves."""
+    import subprocess
+    import sys
+
+    code = (
+        "from dmtp_hf.machine import Burner\nimport time\n"
+        "with Burner(1) as b:\n    print(b.processes[0].pid, flush=True)\n    time.sleep(60)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    burner = int(parent.stdout.readline())
+    parent.kill()
+    parent.wait()
+    for _ in range(100):
+        try:
+            os.kill(burner, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.kill(burner, 9)
+    raise AssertionError("the burner outlived its killed parent by 10 s")

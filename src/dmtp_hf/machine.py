@@ -4,7 +4,7 @@ Timings on a shared CPU depend on what else runs. Intra-op threads that outnumbe
 crawl (each parallel region waits for its slowest thread, and that one waits for a core), so demos and benchmarks
 pick their thread count from the cores actually free. `Burner` keeps some cores busy for the length of a measurement,
 so a table "with a burner on one core" means the same thing on every machine; it never outlives its ``with`` block
-(and each burner process stops by itself after ``max_seconds`` should its parent die).
+(each burner process also stops by itself when its parent dies, or after ``max_seconds``).
 """
 
 from __future__ import annotations
@@ -53,10 +53,11 @@ def _cpu_times() -> tuple[int, int] | None:
     return sum(fields) - idle, sum(fields)
 
 
-def _burn(deadline: float) -> None:
+def _burn(deadline: float, parent: int) -> None:
     x = 0
-    while time.monotonic() < deadline:  # pure-Python arithmetic: one core busy, no memory traffic to speak of
-        for _ in range(10_000):
+    # until the deadline, and never past its parent: a parent killed by a signal cannot stop its children itself
+    while time.monotonic() < deadline and os.getppid() == parent:
+        for _ in range(10_000):  # pure-Python arithmetic: one core busy, no memory traffic to speak of
             x = (x * 1103515245 + 12345) & 0x7FFFFFFF
 
 
@@ -73,7 +74,8 @@ class Burner:
     def __enter__(self) -> Burner:
         deadline = time.monotonic() + self.max_seconds
         context = multiprocessing.get_context("spawn")  # no copy of a loaded model, no inherited threads
-        self.processes = [context.Process(target=_burn, args=(deadline,), daemon=True) for _ in range(self.cores)]
+        burn = (deadline, os.getpid())
+        self.processes = [context.Process(target=_burn, args=burn, daemon=True) for _ in range(self.cores)]
         for process in self.processes:
             process.start()
         return self
