@@ -53,7 +53,8 @@ def _cpu_times() -> tuple[int, int] | None:
     return sum(fields) - idle, sum(fields)
 
 
-def _burn(deadline: float, parent: int) -> None:
+def _burn(deadline: float, parent: int, started) -> None:
+    started.set()
     x = 0
     # until the deadline, and never past its parent: a parent killed by a signal cannot stop its children itself
     while time.monotonic() < deadline and os.getppid() == parent:
@@ -74,10 +75,15 @@ class Burner:
     def __enter__(self) -> Burner:
         deadline = time.monotonic() + self.max_seconds
         context = multiprocessing.get_context("spawn")  # no copy of a loaded model, no inherited threads
-        burn = (deadline, os.getpid())
-        self.processes = [context.Process(target=_burn, args=burn, daemon=True) for _ in range(self.cores)]
+        started = [context.Event() for _ in range(self.cores)]
+        self.processes = [
+            context.Process(target=_burn, args=(deadline, os.getpid(), event), daemon=True) for event in started
+        ]
         for process in self.processes:
             process.start()
+        # a spawned child takes a moment to import: whatever measures the free cores next must see it burning
+        for event in started:
+            event.wait(timeout=30)
         return self
 
     def __exit__(self, *exc) -> None:
