@@ -33,7 +33,8 @@ class World:
     t1: float = 0.04
     dflash: float = 0.15
     commit: float = 0.02
-    rollback_when_rejecting: float = 0.0  # a stage the cost model does not price (a hybrid target's replay)
+    rollback_when_rejecting: float = 0.0  # the rollback of a round that rejected a candidate (priced per round)
+    unpriced_when_rejecting: float = 0.0  # a stage no estimate prices (any stage a drafter or target adds)
     load: float = 1.0  # every stage's seconds are multiplied by this
 
     def stages(self, width: int, rejected: bool) -> list[tuple[str, float]]:
@@ -42,6 +43,7 @@ class World:
         stages += [("verify", self.verify[width + 1]), ("commit", self.commit)]
         if width and rejected:
             stages.append(("rollback", self.rollback_when_rejecting))
+            stages.append(("replay", self.unpriced_when_rejecting))
         return [(name, seconds * self.load) for name, seconds in stages]
 
 
@@ -130,9 +132,14 @@ def ratios(worlds: list[tuple[int, World]], seeds: int = 6) -> tuple[list[float]
             ],
         ),
         ("draft stops being accepted", [(100, World([0.85, 0.8, 0.75, 0.7])), (300, World([0.02] * 4))]),
+        # every round pays a bookkeeping as dear as a wide verify's extra tokens: wide rounds spread it over more
+        # tokens, which the estimates see once they price it per round
+        ("dear bookkeeping per round", [(400, World([0.7, 0.6, 0.5, 0.5], commit=0.4))]),
+        # a rollback in every rejecting round (a hybrid target's replay), priced per drafted round
+        ("a rollback per rejection", [(1000, World([0.5, 0.3, 0.2, 0.1], rollback_when_rejecting=1.5))]),
         # the estimates are blind here: only the guard sees the loss, after a window of drafted rounds, and each of
         # its probes pays the unpriced cost again (about 4 % of 1,000 rounds, less as the probes grow apart)
-        ("a cost no estimate sees", [(1000, World([0.5, 0.3, 0.2, 0.1], rollback_when_rejecting=1.5))]),
+        ("a cost no estimate sees", [(1000, World([0.5, 0.3, 0.2, 0.1], unpriced_when_rejecting=1.5))]),
     ],
 )
 def test_auto_keeps_within_five_percent_of_the_best_fixed_width(name, worlds):
@@ -146,10 +153,10 @@ def test_auto_keeps_within_five_percent_of_the_best_fixed_width(name, worlds):
 
 
 def test_a_cost_no_estimate_sees_makes_the_guard_back_off_to_plain_steps():
-    """Rejected drafted rounds pay a rollback the cost model does not price (a hybrid target replaying its
-    recurrent state): the estimates keep saying "draft", the measured rounds say otherwise. The guard backs off
-    after one window of drafted rounds; without it, auto loses about a third against plain steps."""
-    world = World([0.5, 0.3, 0.2, 0.1], rollback_when_rejecting=1.5)
+    """Rejected drafted rounds pay a stage the cost model does not price: the estimates keep saying "draft", the
+    measured rounds say otherwise. The guard backs off after one window of drafted rounds; without it, auto loses
+    about a third against plain steps."""
+    world = World([0.5, 0.3, 0.2, 0.1], unpriced_when_rejecting=1.5)
     speeds = race([(400, world)])
     policy = speeds["policy"]
     assert speeds[0] == best_fixed(speeds)  # plain steps are the best fixed width here
@@ -172,13 +179,36 @@ def test_a_cost_no_estimate_sees_makes_the_guard_back_off_to_plain_steps():
 
 def test_a_probe_that_beats_plain_steps_ends_the_back_off():
     """The unpriced cost goes away (the machine, or the text, changed): a probe wins and drafting resumes."""
-    dear = World([0.5, 0.3, 0.2, 0.1], rollback_when_rejecting=1.5)
+    dear = World([0.5, 0.3, 0.2, 0.1], unpriced_when_rejecting=1.5)
     cheap = World([0.8, 0.75, 0.7, 0.7])
     speeds = race([(200, dear), (300, cheap)])
     policy = speeds["policy"]
     assert policy.guard.backoffs >= 1 and not policy.guard.backing_off
     assert policy.widths[-100:].count(0) <= 5  # drafting again
     assert speeds["auto"] >= 0.95 * best_fixed(speeds), speeds
+
+
+def test_a_cost_paid_once_per_round_is_priced_so_wide_rounds_are_not_undersold():
+    """The bookkeeping and rollback every drafted round pays, whatever its width, are part of each width's price:
+    with a dear per-round cost, the estimates alone (no guard) verify wider than without it, and they win."""
+    world = World([0.7, 0.6, 0.5, 0.5], commit=0.6)
+    speeds = race([(400, world)])
+    assert speeds["auto"] >= 0.97 * best_fixed(speeds), speeds
+    cost = speeds["policy"].cost
+    assert cost.overhead["drafted"] == pytest.approx(0.6, rel=0.05)  # what the rounds paid besides
+    assert cost.round_seconds(4, DMTP_PLAN[4]) - cost.round_seconds(1, DMTP_PLAN[1]) < 0.5  # spread over tokens
+
+
+def test_what_is_drafted_already_is_paid_whatever_width_is_verified():
+    """After the DFlash forward has run, a narrower verify saves only verify time: the choice among drafted
+    widths must not price width 0 as a plain step (which would pay no drafter stage), or it cuts a paid-for block."""
+    world = World([0.6, 0.55, 0.5, 0.5], dflash=3.0)  # a draft forward dearer than three plain steps
+    policy = AutoWidth(CostModel(world.verify), Calibration(), K, DMTP_PLAN)
+    policy.cost.update("t1", world.t1)
+    policy.cost.update("dflash", world.dflash)
+    tokens, scores = candidates([0.6, 0.55, 0.5, 0.5])
+    assert policy.best(policy.acceptance(torch.tensor([[0.6]])), DMTP_PLAN, drafted=1) <= 1  # T1 alone, at most
+    assert policy.choose(tokens, scores) == K  # once drafted: verify the block it paid for
 
 
 def test_guard_compares_with_measured_plain_steps_once_it_has_them():

@@ -38,7 +38,7 @@ class RandomWidths(AutoWidth):
         super().__init__(CostModel({1: 1.0}), Calibration(), max_candidates)
         self.rng = random.Random(seed)
 
-    def best(self, known, draft_stages):
+    def best(self, known, draft_stages, drafted=0):
         return self.rng.randint(0, self.max_candidates)
 
 

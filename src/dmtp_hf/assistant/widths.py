@@ -11,7 +11,9 @@ maximises tokens per second over the batch (``k = 0`` is a plain decoding step):
 - `CostModel`: the target forward's seconds per width, first from a short timing of dummy forwards on this machine
   (cached per target, device, dtype and batch size; never a constant), then from what the generation's own verify
   stages cost, round by round (a busy machine shifts the choice within a few rounds; what rounds taught is kept
-  for the next call); the drafter's stages as the generation measures them.
+  for the next call); the drafter's stages as the generation measures them; and what every round pays besides
+  (its bookkeeping, the rollback), measured apart for drafted and plain rounds: a cost
+  per round, whatever its width, which only wider rounds spread over more tokens.
 - `AutoWidth`: the choice. Before drafting, from what earlier rounds accepted per position (before any evidence the
   calibration's held-out rates, or optimistic without them; kept across calls for the same draft): when no width
   pays, the round is a plain step that runs no drafter stage, and a probe that verifies the whole block follows
@@ -89,6 +91,12 @@ DEEP_PROBE_INTERVAL = 8
 # is not written off for good; deep probes see it again).
 LEARNING_RATE = 0.3
 DRIFT_RATE = 0.02
+# What a round pays besides its verify and its drafter stages, once per round whatever its width (`CostModel.overhead`):
+# the round's bookkeeping and the rollback of what was rejected. Left out, it would make narrow widths look cheaper
+# than they are: more rounds, each paying it. (The MTP head catching up on committed pairs is paid per token, and
+# plain rounds only defer it to the next drafted one: charged to that round it would price drafting by the length
+# of the plain streak before it.)
+ROUND_OVERHEAD = frozenset({"commit", "rollback"})
 
 
 def confidences(tokens: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -247,6 +255,8 @@ class CostModel:
         self.follow_rounds = follow_rounds
         self.timed = dict(verify)  # the one-off timing
         self.stages: dict[str, float] = {}
+        # per round, whatever its width (`ROUND_OVERHEAD`): running means for drafted and for plain rounds
+        self.overhead: dict[str, float] = {}
         # observed / timed over recent rounds of every width ("load"), and per width its observed / timed relative
         # to the load ("ratios": tokens in the forward -> ratio; 1 = as timed, scaled with the machine); `measure`
         # shares them with later calls for the same target and batch size
@@ -314,9 +324,21 @@ class CostModel:
         previous = self.stages.get(stage)
         self.stages[stage] = seconds if previous is None else 0.8 * previous + 0.2 * seconds
 
+    def update_overhead(self, drafted: bool, seconds: float) -> None:
+        """Fold what one round paid besides its verify and drafter stages into the running mean of its kind."""
+        kind = "drafted" if drafted else "plain"
+        previous = self.overhead.get(kind)
+        self.overhead[kind] = seconds if previous is None else 0.8 * previous + 0.2 * seconds
+
     def round_seconds(self, width: int, draft_stages: list[str]) -> float:
-        """A round verifying ``width`` candidates after running ``draft_stages``."""
-        return self.verify[min(width + 1, max(self.verify))] + sum(self.stages.get(s, 0.0) for s in draft_stages)
+        """A round verifying ``width`` candidates after running ``draft_stages`` (none: a plain step), with what
+        every round of its kind pays besides."""
+        if draft_stages:
+            overhead = self.overhead.get("drafted", 0.0)
+        else:  # before any plain round is measured, a plain step pays at least the bookkeeping every round pays
+            overhead = self.overhead.get("plain", self.stages.get("commit", 0.0))
+        stages = sum(self.stages.get(s, 0.0) for s in draft_stages)
+        return self.verify[min(width + 1, max(self.verify))] + stages + overhead
 
 
 @torch.no_grad()
@@ -429,6 +451,9 @@ class AutoWidth(RoundWidth):
         self.since_full_block = 0  # drafted rounds since the last that verified all K candidates
         self.memory: dict[str, Any] | None = None  # what later calls for the same draft start from (`width_policy`)
         self.guard = GuardRail()  # what drafted rounds really commit per second, against plain steps
+        # the open round: whether it drafts, and what it has paid so far of `ROUND_OVERHEAD` (None: no round yet)
+        self.round_drafts: bool | None = None
+        self.round_overhead = 0.0
 
     # -- the round's questions (`RoundWidth`) -------------------------------------------------------------------
 
@@ -437,13 +462,17 @@ class AutoWidth(RoundWidth):
         round forgets an unanswered one)."""
         self.pending = None
         self.guard.begin_round(batch_size, lambda _: self.cost.verify[1])
-        return self.drafts(batch_size, self.stage_plan)
+        if self.round_drafts is not None and self.round_overhead > 0:
+            self.cost.update_overhead(self.round_drafts, self.round_overhead)
+        self.round_overhead = 0.0
+        self.round_drafts = self.drafts(batch_size, self.stage_plan)
+        return self.round_drafts
 
     def draft_further(self, tokens: torch.Tensor, scores: torch.Tensor) -> bool:
         """Only while the best width, given these candidates' predicted acceptance, is wider than what is drafted
         (DMTP: after T1, whether DFlash runs; MTP-k: whether the chain goes on)."""
         drafted = tokens.shape[1]
-        further = self.best(self.acceptance(confidences(tokens, scores)), self.stage_plan) > drafted
+        further = self.best(self.acceptance(confidences(tokens, scores)), self.stage_plan, drafted) > drafted
         self.skipped += drafted == 1 and not further
         return further
 
@@ -451,7 +480,7 @@ class AutoWidth(RoundWidth):
         """The best width given every drafted candidate's predicted acceptance (remembered for `learn`)."""
         conf = confidences(tokens, scores)
         predicted = self.acceptance(conf)
-        width = min(self.best(predicted, self.stage_plan), tokens.shape[1])
+        width = min(self.best(predicted, self.stage_plan, tokens.shape[1]), tokens.shape[1])
         self.pending = (conf[:, :width], predicted)
         self.widths.append(width)
         self.since_full_block = 0 if width == self.max_candidates else self.since_full_block + 1
@@ -471,6 +500,10 @@ class AutoWidth(RoundWidth):
         """What the rounds really cost feeds the cost model: drafter stages, and the verify of the width just chosen
         (a plain round's is one token); the guard rail hears every stage of the round."""
         self.guard.stage(stage, seconds)
+        if stage in ROUND_OVERHEAD:
+            self.round_overhead += seconds
+        if stage == "commit":
+            self.cost.update(stage, seconds)
         if stage == "verify" and self.widths:
             self.cost.observe_verify(self.widths[-1] + 1, seconds)
         elif any(stage in stages for stages in self.stage_plan):
@@ -483,10 +516,11 @@ class AutoWidth(RoundWidth):
 
     # -- the estimates ---------------------------------------------------------------------------------------------
 
-    def best(self, known: torch.Tensor, draft_stages: list[list[str]]) -> int:
+    def best(self, known: torch.Tensor, draft_stages: list[list[str]], drafted: int = 0) -> int:
         """The width (0..K) with the most expected tokens per second for the batch, given the acceptance
         probabilities ``known`` ``[B, j]`` of the first j candidates (priors beyond); ``draft_stages[k]`` are the
-        drafter stages a width-k round runs."""
+        drafter stages a width-k round runs. ``drafted`` candidates are drafted already: their stages are paid
+        whatever width is verified (a narrower verify saves only verify time, it does not make the round plain)."""
         if self.probing:
             return self.max_candidates
         batch = known.shape[0]
@@ -494,8 +528,10 @@ class AutoWidth(RoundWidth):
         rates[:, : known.shape[1]] = known.float()
         expected = 1 + torch.cat([torch.zeros(batch, 1), rates.cumprod(dim=1).cpu()], dim=1).cumsum(dim=1)
         totals = expected.sum(dim=0)  # [K+1] tokens for the batch at each width
-        speed = [float(totals[k]) / self.cost.round_seconds(k, draft_stages[k]) for k in range(self.max_candidates + 1)]
-        return max(range(len(speed)), key=speed.__getitem__)
+        widths = range(self.max_candidates + 1)
+        seconds = [self.cost.round_seconds(k, draft_stages[max(k, drafted)]) for k in widths]
+        speed = [float(totals[k]) / seconds[k] for k in widths]
+        return max(widths, key=speed.__getitem__)
 
     def drafts(self, batch_size: int, draft_stages: list[list[str]]) -> bool:
         """Before any draft forward: does drafting pay this round, judged on the priors alone? When it does not,

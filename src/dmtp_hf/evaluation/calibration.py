@@ -29,7 +29,7 @@ class CalibrationRecorder(AutoWidth):
         super().__init__(CostModel({1: 1.0}), Calibration(), max_candidates)
         self.pairs: list[tuple[int, float, bool]] = []
 
-    def best(self, known: torch.Tensor, draft_stages: list[list[str]]) -> int:
+    def best(self, known: torch.Tensor, draft_stages: list[list[str]], drafted: int = 0) -> int:
         """Every candidate, always (the recording needs the whole block)."""
         return self.max_candidates
 
