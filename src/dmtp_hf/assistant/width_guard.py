@@ -9,9 +9,8 @@ than plain steps would have, the policy backs off to plain steps, and only its p
 plain steps again.
 
 Plain steps are measured where the policy runs them (its plain rounds, per batch size); before any, a plain step
-is priced as the cost model's one-token verify (which follows the machine's load) plus the round's own bookkeeping
-as measured in every round (the commit; a plain step has nothing to roll back). Nothing here reads a clock: tests
-feed it synthetic seconds.
+is priced by the cost model (its one-token verify, which follows the machine's load, plus the commit every round
+pays; a plain step has nothing to roll back). Nothing here reads a clock: tests feed it synthetic seconds.
 """
 
 from __future__ import annotations
@@ -27,15 +26,13 @@ GUARD_WINDOW = 8
 # Probes (drafted rounds while backing off) whose rate together must beat plain steps to resume drafting: one lucky
 # probe is not enough where a round's acceptance is a coin toss.
 PROBES_TO_RESUME = 2
-# How fast measured plain steps and bookkeeping move their running means.
+# How fast measured plain steps move their running mean.
 PLAIN_RATE = 0.3
 # Stages that are not part of a round (the prompt's) and the outer wall time the round stages add up to, and the
 # MTP head catching up on the pairs committed since it last ran: a cost of keeping the drafter's state, paid per
 # committed token whatever the widths, which plain rounds only defer to the next drafted one (charged to that round,
 # it would make every probe after a plain streak lose by the streak's length).
 OUTSIDE_ROUNDS = frozenset({"prefill", "draft_prefill", "rounds", "mtp"})
-# A round's bookkeeping, paid by plain steps as well (a rollback is not: a plain step rejects nothing).
-BOOKKEEPING = frozenset({"commit"})
 
 
 class GuardRail:
@@ -45,7 +42,6 @@ class GuardRail:
     def __init__(self, window: int = GUARD_WINDOW) -> None:
         self.drafted: deque[tuple[int, float]] = deque(maxlen=window)  # (tokens, seconds) of recent drafted rounds
         self.plain_seconds: dict[int, float] = {}  # batch size -> running mean of a measured plain round
-        self.bookkeeping: float | None = None  # running mean of a round's commit seconds
         self.backing_off = False
         self.backoffs = 0  # times the guard stopped drafting
         self.probe_loss = 0.0  # seconds the last losing probe cost beyond the plain steps for its tokens
@@ -54,45 +50,40 @@ class GuardRail:
         self.width: int | None = None
         self.tokens: int | None = None
         self.seconds = 0.0
-        self.round_bookkeeping = 0.0
 
     def stage(self, name: str, seconds: float) -> None:
         """A stage of the open round ended after ``seconds``."""
         if name in OUTSIDE_ROUNDS:
             return
         self.seconds += seconds
-        if name in BOOKKEEPING:
-            self.round_bookkeeping += seconds
 
     def committed(self, width: int, tokens: int) -> None:
         """The open round verified ``width`` candidates per row and committed ``tokens`` over the batch."""
         self.width = width
         self.tokens = tokens
 
-    def begin_round(self, batch_size: int, plain_verify_seconds: Callable[[int], float]) -> None:
-        """Close the previous round (judge it) and open one of ``batch_size`` rows. ``plain_verify_seconds(B)``:
-        the cost model's current estimate of a one-token verify at batch size B."""
+    def begin_round(self, batch_size: int, plain_step_seconds: Callable[[int], float]) -> None:
+        """Close the previous round (judge it) and open one of ``batch_size`` rows. ``plain_step_seconds(B)``:
+        the cost model's current estimate of a plain step at batch size B."""
         if self.tokens is not None and self.batch_size is not None and self.seconds > 0:
-            self._close(plain_verify_seconds)
+            self._close(plain_step_seconds)
         self.batch_size = batch_size
         self.width = None
         self.tokens = None
         self.seconds = 0.0
-        self.round_bookkeeping = 0.0
 
-    def plain_rate(self, batch_size: int, plain_verify_seconds: Callable[[int], float]) -> float:
+    def plain_rate(self, batch_size: int, plain_step_seconds: Callable[[int], float]) -> float:
         """Tokens per second of plain steps at ``batch_size``: measured, else estimated (see the module docstring)."""
         seconds = self.plain_seconds.get(batch_size)
         if seconds is None:
-            seconds = plain_verify_seconds(batch_size) + (self.bookkeeping or 0.0)
+            seconds = plain_step_seconds(batch_size)
         return batch_size / seconds
 
-    def _close(self, plain_verify_seconds: Callable[[int], float]) -> None:
-        self.bookkeeping = _mean(self.bookkeeping, self.round_bookkeeping)
+    def _close(self, plain_step_seconds: Callable[[int], float]) -> None:
         if self.width == 0:
             self.plain_seconds[self.batch_size] = _mean(self.plain_seconds.get(self.batch_size), self.seconds)
             return
-        plain = self.plain_rate(self.batch_size, plain_verify_seconds)
+        plain = self.plain_rate(self.batch_size, plain_step_seconds)
         if self.backing_off:  # a probe: the probes since the back-off, together, must beat plain steps to end it
             self.probe_loss = max(self.seconds - self.tokens / plain, 0.0)
             self.drafted.append((self.tokens, self.seconds))

@@ -461,7 +461,7 @@ class AutoWidth(RoundWidth):
         """`drafts` over the drafter's stage plan (a call can end between a proposal and its verdict: a new
         round forgets an unanswered one)."""
         self.pending = None
-        self.guard.begin_round(batch_size, lambda _: self.cost.verify[1])
+        self.guard.begin_round(batch_size, lambda _: self.cost.round_seconds(0, []))
         if self.round_drafts is not None and self.round_overhead > 0:
             self.cost.update_overhead(self.round_drafts, self.round_overhead)
         self.round_overhead = 0.0
