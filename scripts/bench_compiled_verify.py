@@ -30,7 +30,7 @@ from dmtp_hf.assistant.generate import compiled_verify_config
 from dmtp_hf.assistant.generate import generate as dmtp_generate
 from dmtp_hf.assistant.target.cache import crop_attention
 
-BUNDLED = Path(__file__).resolve().parents[1] / "src" / "dmtp_hf" / "bundled" / "models"
+BUNDLED = Path(__file__).resolve().parents[1] / "assets" / "dmtp_hf_assets" / "models"
 PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number.",
     "Explain why the sky is blue in two sentences.",

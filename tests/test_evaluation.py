@@ -380,6 +380,13 @@ def test_eval_report_only_adds_columns_from_another_run(eval_run, tmp_path, caps
             assert by_label[label]["hist"] == reference[label]["hist"]
             assert by_label[label]["speedup"] == pytest.approx(reference[label]["speedup"]), (name, label)
     assert "ran in a separate run" in (merged_dir / "eval.md").read_text()
+    # the later run may have run the sets in another order (its workers split them otherwise): still columns
+    other = json.loads(parts[1].read_text())
+    other["datasets"].reverse()
+    parts[1].write_text(json.dumps(other))
+    assert main(["eval", "--report-only", *map(str, parts), "--output-dir", str(tmp_path / "reordered")]) == 0
+    reordered = json.loads((tmp_path / "reordered" / "eval.json").read_text())
+    assert reordered["datasets"] == data["datasets"] and reordered["results"] == merged["results"]
     # at T = 0 the two runs' plain generate must agree token for token
     other = json.loads(parts[1].read_text())
     other["baseline"][data["datasets"][0]["name"]]["output_digest"] = "0" * 64

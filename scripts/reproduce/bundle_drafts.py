@@ -6,6 +6,8 @@
     python scripts/reproduce/bundle_drafts.py --set smollm2   # outputs/smollm2/{mtp_head,dflash,dmtp} -> models/smollm2
     python scripts/reproduce/bundle_drafts.py --set smollm2-d2  # outputs/smollm2/{dflash2,dmtp_d2} -> models/smollm2
     python scripts/reproduce/bundle_drafts.py --set smollm2-d2 --only dflash2  # one folder of a set
+    python scripts/reproduce/bundle_drafts.py --set smollm2-distilled  # the self-distilled head and the DMTP drafts
+                                                                       # retrained on it (smollm2/distill_train.sh)
 
 Each bundled folder holds ``config.json``, ``model.safetensors`` and ``training.json`` (steps, samples, CPU time,
 last held-out metrics, the full training config), which the comparison report quotes. The bundled drafts stay fp32
@@ -53,8 +55,15 @@ SETS = {
         (OUTPUTS / "smollm2" / "dflash2" / "final", "smollm2/dflash2", "draft"),
         (OUTPUTS / "smollm2" / "dmtp_d2" / "final", "smollm2/dmtp_d2", "draft"),
     ],
+    # the head continued on self-distillation data and the two DMTP drafts retrained on it; they replace the
+    # scratch-trained head and DMTP drafts (DFlash and DFlash2 read no head and stay)
+    "smollm2-distilled": [
+        (OUTPUTS / "smollm2" / "distill" / "head-mix-online" / "final_mtp_head", "smollm2/mtp_head", "head"),
+        (OUTPUTS / "smollm2" / "distill" / "dmtp" / "final", "smollm2/dmtp", "draft"),
+        (OUTPUTS / "smollm2" / "distill" / "dmtp-d2" / "final", "smollm2/dmtp_d2", "draft"),
+    ],
 }
-BF16_SETS = {"smollm2", "smollm2-d2"}
+BF16_SETS = {"smollm2", "smollm2-d2", "smollm2-distilled"}
 
 
 def _check(source: Path, kind: str) -> None:
@@ -86,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     """Copy and check every export of the chosen set."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--set", dest="name", default="drafts", choices=sorted(SETS))
-    parser.add_argument("--models", type=Path, default=REPO / "src" / "dmtp_hf" / "bundled" / "models")
+    parser.add_argument("--models", type=Path, default=REPO / "assets" / "dmtp_hf_assets" / "models")
     parser.add_argument("--only", nargs="+", metavar="NAME", help="only these folders of the set (e.g. dflash2)")
     args = parser.parse_args(argv)
     entries = SETS[args.name]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-MODELS = REPO / "src" / "dmtp_hf" / "bundled" / "models"
+MODELS = REPO / "assets" / "dmtp_hf_assets" / "models"
 BENCH = REPO / "outputs" / "corpus" / "bench"
 
 
@@ -47,6 +48,9 @@ class Bundle:
     datasets: list[str] = field(default_factory=lambda: ["mt_bench"])  # bundled sets next to the held-out files
     # the blog's section 8 columns: (column name, method label); the table is shown when every label was run
     blog_columns: list[tuple[str, str]] = field(default_factory=lambda: list(BLOG_COLUMNS))
+    # with two eval workers: what each runs, (bundled sets, held-out prompt files); None: the bundled sets in one,
+    # the held-out files in the other
+    eval_split: list[tuple[list[str], list[str]]] | None = None
     # dmtp bench runs, one per group of workloads: (name, bundled sets, held-out prompt files)
     bench_groups: list[tuple[str, list[str], list[str]]] = field(
         default_factory=lambda: [("MT-Bench and held-out code", ["mt_bench"], ["held-out-code"])]
@@ -75,6 +79,8 @@ def bundle(name: str) -> Bundle:
             dmtp_variants=variants,
             heads={"retrofitted MTP head": folder / "mtp_head"},
             datasets=["gsm8k", "humaneval", "mt_bench", "alpaca"],  # the blog's section 8 sets
+            # about equal halves of plain generate's time (MT-Bench, two turns a prompt, is a third of the whole)
+            eval_split=[(["gsm8k", "mt_bench"], []), (["humaneval", "alpaca"], ["held-out-code", "held-out-chat"])],
             blog_columns=[
                 ("MTP-4", "mtp4"),
                 ("DFlash", "dflash"),
@@ -147,6 +153,9 @@ def named_prompts(out: Path) -> Path:
 def run_eval(args, out: Path) -> dict:
     """Acceptance + speedup over the workloads, split over worker processes, merged. With ``--add-strategies``
     only those strategies run (with their own plain-generate baseline), added as columns to OUTPUT_DIR/eval.json."""
+    if args.replace_strategies:
+        retire_columns(out, args.replace_strategies)
+        args.add_strategies = args.replace_strategies
     if not args.add_strategies:
         return _eval_parts(args, out, args.bundle.methods, out)
     unknown = set(args.add_strategies) - set(args.bundle.methods)
@@ -163,22 +172,50 @@ def run_eval(args, out: Path) -> dict:
     return json.loads((out / "eval.json").read_text())
 
 
+def retire_columns(out: Path, labels: list[str]) -> Path:
+    """Keep the report as it was under OUTPUT_DIR/history/<date of its eval>/, then drop the columns ``labels``
+    from eval.json (their draft or head was replaced) so they can be evaluated again. The bench folders move to the
+    history whole: their rows were measured with the replaced models (``--skip-eval`` measures them again)."""
+    evaluation = json.loads((out / "eval.json").read_text())
+    missing = [label for label in labels if label not in {s["label"] for s in evaluation["strategies"]}]
+    if missing:
+        raise SystemExit(f"--replace-strategies: {', '.join(missing)} not in {out / 'eval.json'}")
+    history = out / "history" / evaluation["created"][:10]
+    if history.exists():
+        raise SystemExit(f"{history} exists: the report of that run is kept there already")
+    history.mkdir(parents=True)
+    for path in out.iterdir():
+        if path.is_file():
+            shutil.copy2(path, history / path.name)
+        elif path.name.startswith("bench"):
+            shutil.move(str(path), str(history / path.name))
+    drop = set(labels)
+    evaluation["strategies"] = [s for s in evaluation["strategies"] if s["label"] not in drop]
+    for table in [*evaluation["results"].values(), evaluation.get("overall", {})]:
+        for label in drop:
+            table.pop(label, None)
+    for label in drop:
+        evaluation.get("column_baselines", {}).pop(label, None)
+    if not evaluation.get("column_baselines"):
+        evaluation.pop("column_baselines", None)
+    (out / "eval.json").write_text(json.dumps(evaluation, indent=2) + "\n")
+    return history
+
+
 def _eval_parts(args, out: Path, methods: list[str], merged_dir: Path) -> dict:
     named = named_prompts(out)
-    bundled_sets = ",".join(args.bundle.datasets)
+    held_out = ["held-out-code", "held-out-chat"]
+    split = args.bundle.eval_split or [(args.bundle.datasets, []), ([], held_out)]
+    if args.workers == 1:
+        split = [(args.bundle.datasets, held_out)]
     workloads = [
-        ["--datasets", bundled_sets],
         [
             "--datasets",
-            "none",
-            "--prompts",
-            str(named / "held-out-code.jsonl"),
-            "--prompts",
-            str(named / "held-out-chat.jsonl"),
-        ],
+            ",".join(sets) or "none",
+            *(arg for f in files for arg in ("--prompts", str(named / f"{f}.jsonl"))),
+        ]
+        for sets, files in split
     ]
-    if args.workers == 1:
-        workloads = [[*workloads[1], "--datasets", bundled_sets]]
     common = [
         *args.bundle.models,
         "--strategies",
@@ -207,7 +244,16 @@ def _eval_parts(args, out: Path, methods: list[str], merged_dir: Path) -> dict:
             raise SystemExit(f"eval worker failed, see {part / 'eval.log'}")
         log.close()
     subprocess.run(_dmtp("eval", "--report-only", *map(str, parts), "--output-dir", str(merged_dir)), check=True)
-    return json.loads((merged_dir / "eval.json").read_text())
+    merged = json.loads((merged_dir / "eval.json").read_text())
+    order = [*args.bundle.datasets, *held_out]  # the report's rows in the bundle's order, however the sets were split
+    ordered = sorted(merged["datasets"], key=lambda d: order.index(d["name"]) if d["name"] in order else len(order))
+    if ordered != merged["datasets"]:
+        merged["datasets"] = ordered
+        (merged_dir / "eval.json").write_text(json.dumps(merged, indent=2) + "\n")
+        merge = _dmtp("eval", "--report-only", str(merged_dir / "eval.json"), "--output-dir", str(merged_dir))
+        subprocess.run(merge, check=True)  # eval.md again, in that order
+        merged = json.loads((merged_dir / "eval.json").read_text())
+    return merged
 
 
 def _bench_folder(out: Path, groups: list, index: int) -> Path:
@@ -561,6 +607,14 @@ def main(argv: list[str] | None = None) -> int:
         metavar="LABELS",
         help="evaluate only these of the bundle's strategies (comma-separated; e.g. a draft bundled after the "
         "comparison ran) and add them as columns to OUTPUT_DIR/eval.json; each keeps its own generate baseline",
+    )
+    parser.add_argument(
+        "--replace-strategies",
+        type=lambda text: text.split(","),
+        default=[],
+        metavar="LABELS",
+        help="evaluate these columns again (their draft or head was retrained and bundled): the report as it was is "
+        "kept under OUTPUT_DIR/history/<date>/, the columns are dropped from eval.json and added anew",
     )
     parser.add_argument("--output-dir", type=Path, help="default: reports/<bundle>")
     parser.add_argument(

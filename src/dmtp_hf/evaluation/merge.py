@@ -30,7 +30,8 @@ def merge_eval_results(parts: list[dict[str, Any]]) -> dict[str, Any]:
             raise ValueError(f"not a {SCHEMA} file (schema {part.get('schema')!r})")
         if bool(part.get("baseline")) != bool(parts[0].get("baseline")):
             raise ValueError("cannot merge evaluations with and without the generate baseline")
-    same_sets = all(_dataset_names(part) == _dataset_names(parts[0]) for part in parts)
+    # the same sets in any order (parallel workers may have run them in another order)
+    same_sets = all(sorted(_dataset_names(part)) == sorted(_dataset_names(parts[0])) for part in parts)
     labels = [label for part in parts for label in _labels(part)]
     if len(parts) > 1 and same_sets and len(labels) == len(set(labels)):
         merged = _merge_columns(parts)
@@ -70,7 +71,7 @@ def _merge_columns(parts: list[dict[str, Any]]) -> dict[str, Any]:
     for part in parts[1:]:
         if _settings(part, ignored) != _settings(first, ignored):
             raise ValueError("cannot merge evaluations run with different settings")
-        if [d["num_prompts"] for d in part["datasets"]] != [d["num_prompts"] for d in first["datasets"]]:
+        if _prompt_counts(part) != _prompt_counts(first):
             raise ValueError("cannot add columns evaluated on a different number of prompts")
     names = _dataset_names(first)
     merged = {
@@ -105,6 +106,10 @@ def _merge_columns(parts: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _labels(part: dict[str, Any]) -> list[str]:
     return [s["label"] for s in part["strategies"]]
+
+
+def _prompt_counts(part: dict[str, Any]) -> dict[str, int]:
+    return {d["name"]: d["num_prompts"] for d in part["datasets"]}
 
 
 def _dataset_names(part: dict[str, Any]) -> list[str]:
