@@ -52,6 +52,18 @@ def test_replaced_columns_leave_the_report_and_the_old_report_is_kept(compare, t
     assert [s["label"] for s in after["strategies"]] == ["dflash"]
     assert all(set(table) == {"dflash"} for table in [*after["results"].values(), after["overall"]])
     assert "column_baselines" not in after  # the only later column was replaced
+    assert after["replaced_columns"] == {"labels": ["dmtp", "dmtp-d2"], "history": "history/2026-12-03"}
+
+
+def test_the_report_says_which_columns_ran_later_and_which_again(compare):
+    evaluation = {
+        "column_baselines": {"dmtp-d2": {}, "dmtp": {}},
+        "replaced_columns": {"labels": ["dmtp"], "history": "history/2026-12-03"},
+    }
+    note = compare._added_columns(evaluation)
+    assert "Column `dmtp-d2` ran later" in note and "--add-strategies dmtp-d2`" in note
+    assert "Column `dmtp` ran again" in note and "(history/2026-12-03/README.md)" in note
+    assert compare._added_columns({}) == ""
 
 
 def test_a_history_is_never_overwritten_and_unknown_columns_are_refused(compare, tmp_path):

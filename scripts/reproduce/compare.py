@@ -198,6 +198,7 @@ def retire_columns(out: Path, labels: list[str]) -> Path:
         evaluation.get("column_baselines", {}).pop(label, None)
     if not evaluation.get("column_baselines"):
         evaluation.pop("column_baselines", None)
+    evaluation["replaced_columns"] = {"labels": labels, "history": str(history.relative_to(out))}  # for the note
     (out / "eval.json").write_text(json.dumps(evaluation, indent=2) + "\n")
     return history
 
@@ -387,10 +388,23 @@ def _added_columns(evaluation: dict) -> str:
     added = list(evaluation.get("column_baselines") or {})
     if not added:
         return ""
-    return (
-        f" Column{'s' if len(added) > 1 else ''} {', '.join(f'`{label}`' for label in added)} ran later on the "
-        f"same prompts (`--add-strategies {','.join(added)}`), timed against the plain `generate` of that run."
-    )
+    replaced = evaluation.get("replaced_columns") or {}
+    again = [label for label in added if label in replaced.get("labels", [])]
+    later = [label for label in added if label not in again]
+    note = ""
+    if later:
+        note += (
+            f" Column{'s' if len(later) > 1 else ''} {', '.join(f'`{label}`' for label in later)} ran later on the "
+            f"same prompts (`--add-strategies {','.join(later)}`), timed against the plain `generate` of that run."
+        )
+    if again:
+        note += (
+            f" Column{'s' if len(again) > 1 else ''} {', '.join(f'`{label}`' for label in again)} ran again on the "
+            f"same prompts after their models were retrained (`--replace-strategies {','.join(again)}`), timed "
+            f"against the plain `generate` of that run; the report before is kept in [{replaced['history']}/]"
+            f"({replaced['history']}/README.md)."
+        )
+    return note
 
 
 def _bench_flags(args) -> str:
@@ -404,8 +418,9 @@ def _budget_table(budget: dict) -> list[str]:
     if not budget:
         return []
     lines = [
-        "Every draft and head was trained with the project's trainer on the same target-regenerated data; the "
-        "table gives what each `training.json` records.",
+        "Every draft and head was trained with the project's trainer on target-regenerated data; the table gives "
+        "what each `training.json` records (for a model continued from another: the continuation's steps, samples "
+        "and time).",
         "",
         "| Model | Init | Steps | Micro-batch x processes | Train samples | CPU wall time | Held-out loss | "
         "Held-out simulated τ / head accuracy |",
@@ -414,6 +429,8 @@ def _budget_table(budget: dict) -> list[str]:
     for label, info in budget.items():
         last = info.get("last_eval") or {}
         init = Path(info["init_from"]).name if info.get("init_from") else "scratch"
+        if info.get("train_mtp_head") == "only" and info.get("mtp_init_from"):  # a head continued from another
+            init = f"continued from {Path(info['mtp_init_from']).name}"
         loss = last.get("loss", last.get("mtp_loss"))
         quality = _f(last.get("accept_len"), 2) if "accept_len" in last else _f(last.get("mtp_acc"), 3)
         lines.append(
