@@ -319,7 +319,7 @@ def test_committed_smollm2_bundle_is_complete_small_and_built_for_smollm2() -> N
 
     from dmtp_hf import DMTPDraftModel
 
-    layouts = {}
+    layouts, budgets = {}, {}
     names = ["dmtp", "dflash", "mtp_head"] + [n for n in ("dflash2", "dmtp_d2") if (bundled.SMOLLM2_DIR / n).is_dir()]
     for name in names:
         folder = bundled.SMOLLM2_DIR / name
@@ -330,13 +330,19 @@ def test_committed_smollm2_bundle_is_complete_small_and_built_for_smollm2() -> N
         # floats in bfloat16; the draft vocabulary's d2t (int64 offsets) and t2d (bool mask) as EAGLE-3 stores them
         assert {d for k, d in dtypes.items() if not k.endswith(("d2t", "t2d"))} == {"BF16"}, name
         assert {d for k, d in dtypes.items() if k.endswith(("d2t", "t2d"))} <= {"I64", "BOOL"}, name
-        assert json.loads((folder / "training.json").read_text())["steps"] == 2400, name
+        training = json.loads((folder / "training.json").read_text())
+        budgets[name] = (training["steps"], training["global_batch_size"])
         if name != "mtp_head":
             config = DMTPDraftModel.from_pretrained(folder).config  # strict: every tensor present and shaped
             assert config.hidden_size == 576 and config.target_layer_ids == [1, 14, 27], name
             assert config.draft_vocab_size == 16384, name
             layouts[name] = config.anchor_layout
     assert {k: layouts[k] for k in ("dmtp", "dflash")} == {"dmtp": "dual", "dflash": "dflash"}
+    # every draft had the same budget (the comparison is like for like); the head was distilled separately
+    draft_budgets = {budgets[n] for n in names if n != "mtp_head"}
+    assert draft_budgets == {(2400, 8)}, budgets
+    head_training = json.loads((bundled.SMOLLM2_DIR / "mtp_head" / "training.json").read_text())
+    assert head_training["train_mtp_head"] == "only" and head_training["steps"] > 0
     head = json.loads((bundled.SMOLLM2_DIR / "mtp_head" / "config.json").read_text())["dmtp_mtp_head"]
     assert (head["layout"], head["target_model_type"], head["num_hidden_layers"], head["hidden_size"]) == (
         "retrofit",
