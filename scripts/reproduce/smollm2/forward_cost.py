@@ -4,6 +4,8 @@ On some CPUs a one-token decoding step takes a fast path (a matrix-vector produc
 leaves, so even a 2-token verify costs much more than a step and no drafter can win at batch size 1; on others a
 verify of 8 tokens costs little more than a step. This prints the median time of one forward over N new tokens after
 a fixed prefix, at batch sizes 1 and 2, so a `dmtp bench` table can be read against the machine it ran on.
+`scripts/bench_compiled_verify.py` times the same eager forward at B = 1 next to a compiled one, but needs a draft
+and compiles every width (minutes on a CPU); this is the eager-only check, per batch size, in seconds.
 
     python scripts/reproduce/smollm2/forward_cost.py                 # the SmolLM2 target, two threads
     python scripts/reproduce/smollm2/forward_cost.py --threads 1 --widths 1,2,8
