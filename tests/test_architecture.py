@@ -20,7 +20,7 @@ from dmtp_hf_assets.tiny_targets import load_tiny_target, make_tiny_target
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "dmtp_hf"
 # Each layer may import only the layers listed after it (and itself).
-LAYERS = ["cli", "demo", "evaluation", "training", "assistant", "bundled", "modeling"]
+LAYERS = ["cli", "demo", "evaluation", "training", "assistant", "bundled", "modeling", "policy"]
 ALLOWED = {layer: set(LAYERS[i:]) for i, layer in enumerate(LAYERS)}
 # Sizes in lines: (guidance, ceiling). Past the guidance a test warns; past the ceiling it fails.
 FUNCTION_LINES = (80, 120)
@@ -92,6 +92,26 @@ def test_layers_import_only_downwards_and_never_the_assets():
             target = layer_of(imported)
             if layer in ALLOWED and target in LAYERS and target not in ALLOWED[layer]:
                 problems.append(f"{name} ({layer}) imports {imported} ({target})")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_policy_needs_nothing_but_torch_and_the_standard_library():
+    """``dmtp_hf.policy`` is what the vLLM plugin imports from vLLM's own environment (its own Transformers): it may
+    import torch, the standard library and itself, nothing else."""
+    import sys
+
+    problems = []
+    for path in (PACKAGE / "policy").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            for name in names:
+                top = name.partition(".")[0]
+                if top not in ("torch", "__future__") and top not in sys.stdlib_module_names:
+                    problems.append(f"{path.name} imports {name}")
     assert not problems, "\n".join(problems)
 
 

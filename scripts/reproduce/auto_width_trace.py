@@ -19,8 +19,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import dmtp_hf
 from dmtp_hf import DMTPDraftModel
-from dmtp_hf.assistant import width_guard
 from dmtp_hf.bundled import default_paths
+from dmtp_hf.policy import guard as width_guard
 
 
 def trace_guard() -> None:

@@ -29,69 +29,15 @@ from transformers import AutoTokenizer
 
 from dmtp_hf.evaluation.prompts import load_bundled_set, load_prompt_file
 
-REPO = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from workers import HERE, REPO, VLLM_PYTHON, Worker, interleaved, parse_cores, spread, vllm_env  # noqa: E402
+
 BUNDLE = REPO / "assets" / "dmtp_hf_assets" / "models" / "smollm2"  # the repository-local assets package
-VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
-HERE = Path(__file__).resolve().parent
 SETS = ["gsm8k", "humaneval", "mt_bench", "alpaca", "heldout_code", "heldout_chat"]
 HELD_OUT = {
     "heldout_code": "outputs/corpus/bench/code_question.jsonl",
     "heldout_chat": "outputs/corpus/bench/chat_question.jsonl",
 }
-
-
-class Worker:
-    """A method's worker process; ``run(prompts)`` sends one job and returns its answer."""
-
-    def __init__(self, label: str, command: list[str], env: dict[str, str], cores: set[int]):
-        self.label = label
-        self.process = subprocess.Popen(
-            command,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env=env,
-            cwd=REPO,
-            preexec_fn=lambda: os.sched_setaffinity(0, cores),  # every thread it starts inherits the cores
-        )
-        self.read()  # {"ready": true}
-
-    def read(self) -> dict:
-        """The worker's next answer line (its other output is vLLM's logging)."""
-        for line in self.process.stdout:
-            if line.startswith("@@ "):
-                return json.loads(line[3:])
-        raise RuntimeError(f"worker {self.label} exited with code {self.process.wait()}")
-
-    def run(self, prompts: list[dict]) -> dict:
-        """One job: ``prompts`` submitted together."""
-        self.process.stdin.write(json.dumps({"prompts": prompts}) + "\n")
-        self.process.stdin.flush()
-        return self.read()
-
-    def close(self) -> None:
-        """End the worker (its stdin closes) and wait for it."""
-        self.process.stdin.close()
-        self.process.wait(timeout=120)
-
-
-def parse_cores(spec: str) -> set[int]:
-    """``"1"``, ``"0-1"`` or ``"0,2-3"`` -> the set of core ids."""
-    cores: set[int] = set()
-    for part in spec.split(","):
-        first, _, last = part.partition("-")
-        cores.update(range(int(first), int(last or first) + 1))
-    return cores
-
-
-def vllm_env(cores: set[int]) -> dict[str, str]:
-    """vLLM's CPU backend environment (as integrations/vllm/ci.sh sets it), its OpenMP threads bound to ``cores``."""
-    bind = ",".join(map(str, sorted(cores)))
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND=bind)
-    preload = [str(p) for p in Path("/usr/lib").glob("*/libtcmalloc_minimal.so.4")][:1]
-    preload += [str(p) for p in (REPO / ".venv-vllm" / "lib").glob("libiomp5.so")]
-    env["LD_PRELOAD"] = " ".join(preload)
-    return env
 
 
 def load_prompts(tokenizer, limit: int, max_tokens: int) -> dict[str, list[dict]]:
@@ -144,23 +90,6 @@ def export_drafts(target: str, out: Path) -> None:
     head = ["--mtp-head", str(BUNDLE / "mtp_head")]
     subprocess.run([*dmtp, str(BUNDLE / "dmtp"), str(out / "dmtp"), "--to", "vllm", *head, *common], check=True)
     subprocess.run([*dmtp, str(BUNDLE / "dflash"), str(out / "dflash"), "--to", "dflash", *common], check=True)
-
-
-def interleaved(workers: dict[str, Worker], jobs: list[list[dict]], rounds: int = 1) -> dict[str, list[dict]]:
-    """Every job on every worker, the method order rotating from job to job; answers by label, in job order."""
-    labels = list(workers)
-    answers: dict[str, list[dict]] = {label: [] for label in labels}
-    for r in range(rounds):
-        for j, job in enumerate(jobs):
-            shift = (j + r) % len(labels)
-            for label in labels[shift:] + labels[:shift]:
-                answers[label].append(workers[label].run(job))
-    return answers
-
-
-def spread(values: list[float]) -> dict[str, float]:
-    """Median, min and max."""
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)} if values else {}
 
 
 def summarize(answers: list[dict], plain: list[dict]) -> dict:

@@ -46,6 +46,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--speculative-config", default=None, help="JSON, as vLLM's --speculative-config")
     parser.add_argument("--max-num-seqs", type=int, default=16)
+    parser.add_argument("--eager", action="store_true", help="enforce_eager: no torch.compile (minutes per engine)")
     args = parser.parse_args()
 
     from vllm import LLM, SamplingParams, TokensPrompt
@@ -60,6 +61,7 @@ def main() -> None:
         speculative_config=spec,
         disable_log_stats=False,
         seed=0,
+        enforce_eager=args.eager,
     )
     engine.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], SamplingParams(max_tokens=8), use_tqdm=False)
     answer({"ready": True})

@@ -20,7 +20,7 @@ maximises tokens per second over the batch (``k = 0`` is a plain decoding step):
   after 2, 4, ... such rounds (doubling while probes lose, at most ~`EXPLORATION` of the time, the schedule kept
   across calls). DMTP asks again after T1, before running DFlash: when T1 alone (or nothing) is the best bet, the
   DFlash forward is skipped; MTP-k chains stop when the next step does not pay for itself.
-- `~width_guard.GuardRail`: no estimate is trusted blindly. What the drafted rounds of a recent window really
+- `~dmtp_hf.policy.guard.GuardRail`: no estimate is trusted blindly. What the drafted rounds of a recent window really
   committed per second is compared with plain steps; when drafting has lost, the policy decodes plainly and only
   its probes draft, until one beats plain steps again.
 - One width serves the whole batch: a batch's verify is one padded rectangle, so a shorter block for one row would
@@ -44,14 +44,15 @@ import operator
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers.cache_utils import DynamicCache
 
+from ..policy.acceptance import Calibration, isotonic
+from ..policy.guard import GuardRail
+from ..policy.planner import best_uniform_width
 from .target.linear_attention import has_gated_delta_net, verify_kernel_kwargs
-from .width_guard import GuardRail
 
 __all__ = [
     "AllCandidates",
@@ -102,78 +103,6 @@ ROUND_OVERHEAD = frozenset({"commit", "rollback"})
 def confidences(tokens: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     """``[B, k]`` the probability the draft gave each of its candidates (``scores`` ``[B, k, V]``, processed)."""
     return scores.float().softmax(dim=-1).gather(-1, tokens[..., None])[..., 0]
-
-
-@dataclass
-class Calibration:
-    """Per candidate position j, a monotone step map confidence -> P(accepted | earlier accepted).
-
-    ``edges`` are the right bin edges in ``(0, 1]``; ``rates[j][b]`` the fitted rate of bin b at position j;
-    ``base_rates[j]`` the rate at position j over all confidences (where `AutoWidth` starts its estimates: a draft
-    known to be weak is not tried in full first).
-    """
-
-    edges: list[float] = field(default_factory=list)
-    rates: list[list[float]] = field(default_factory=list)
-    base_rates: list[float] = field(default_factory=list)
-
-    def __call__(self, conf: torch.Tensor) -> torch.Tensor:
-        """``[B, k]`` acceptance probabilities of candidates with confidences ``conf`` ``[B, k]``."""
-        if not self.rates:
-            return conf.float()
-        edges = torch.tensor(self.edges, device=conf.device)
-        bins = torch.bucketize(conf.float().clamp(0, 1), edges).clamp(max=len(self.edges) - 1)  # [B, k]
-        positions = torch.arange(conf.shape[1], device=conf.device).clamp(max=len(self.rates) - 1)
-        table = torch.tensor(self.rates, device=conf.device)  # [K, bins]
-        return table[positions[None].expand_as(bins), bins]
-
-    @classmethod
-    def fit(cls, pairs: list[tuple[int, float, bool]], num_bins: int = 10) -> Calibration:
-        """Isotonic (pool-adjacent-violators) fit per position of ``(position, confidence, accepted)`` pairs, on
-        ``num_bins`` equal-width confidence bins."""
-        edges = [(b + 1) / num_bins for b in range(num_bins)]
-        num_positions = 1 + max((p for p, _, _ in pairs), default=-1)
-        rates, base_rates = [], []
-        for position in range(num_positions):
-            sums, counts = [0.0] * num_bins, [0] * num_bins
-            for p, conf, accepted in pairs:
-                if p == position:
-                    b = min(int(conf * num_bins), num_bins - 1)
-                    sums[b] += float(accepted)
-                    counts[b] += 1
-            rates.append(_isotonic(sums, counts))
-            base_rates.append(sum(sums) / sum(counts) if sum(counts) else (base_rates[-1] if base_rates else 0.5))
-        return cls(edges, rates, base_rates)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON form (stored in the draft's config, ``dmtp_config["acceptance_calibration"]``)."""
-        return {"edges": self.edges, "rates": self.rates, "base_rates": self.base_rates}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any] | None) -> Calibration:
-        """The inverse of `to_dict` (``None``: uncalibrated; fits stored before base rates existed have none)."""
-        if not data:
-            return cls()
-        return cls(list(data["edges"]), [list(r) for r in data["rates"]], list(data.get("base_rates") or []))
-
-
-def _isotonic(sums: list[float], counts: list[int]) -> list[float]:
-    """Non-decreasing rates per bin (pool adjacent violators, count-weighted); empty bins take their neighbours'."""
-    blocks = [[s, c, 1] for s, c in zip(sums, counts, strict=True) if c]  # [sum, count, bins merged]
-    merged: list[list[float]] = []
-    for block in blocks:
-        merged.append(block)
-        while len(merged) > 1 and merged[-2][0] / merged[-2][1] > merged[-1][0] / merged[-1][1]:
-            s, c, n = merged.pop()
-            merged[-1] = [merged[-1][0] + s, merged[-1][1] + c, merged[-1][2] + n]
-    values = [b[0] / b[1] for b in merged for _ in range(int(b[2]))]
-    out = []
-    filled = iter(values)
-    last = values[0] if values else 0.5
-    for count in counts:
-        last = next(filled) if count else last
-        out.append(last)
-    return out
 
 
 class RoundWidth:
@@ -366,7 +295,7 @@ def _time_widths(
         if on_width is not None:
             on_width(width)
     # a wider forward never costs less: noise that says otherwise is pooled away (isotonic, non-decreasing)
-    pooled = _isotonic(list(timings.values()), [1] * len(timings))
+    pooled = isotonic(list(timings.values()), [1] * len(timings))
     return dict(zip(timings, pooled, strict=True))
 
 
@@ -526,12 +455,8 @@ class AutoWidth(RoundWidth):
         batch = known.shape[0]
         rates = torch.tensor(self.prior, dtype=torch.float32, device=known.device).expand(batch, -1).clone()
         rates[:, : known.shape[1]] = known.float()
-        expected = 1 + torch.cat([torch.zeros(batch, 1), rates.cumprod(dim=1).cpu()], dim=1).cumsum(dim=1)
-        totals = expected.sum(dim=0)  # [K+1] tokens for the batch at each width
-        widths = range(self.max_candidates + 1)
-        seconds = [self.cost.round_seconds(k, draft_stages[max(k, drafted)]) for k in widths]
-        speed = [float(totals[k]) / seconds[k] for k in widths]
-        return max(widths, key=speed.__getitem__)
+        seconds = [self.cost.round_seconds(k, draft_stages[max(k, drafted)]) for k in range(self.max_candidates + 1)]
+        return best_uniform_width(rates.cumprod(dim=1), seconds)
 
     def drafts(self, batch_size: int, draft_stages: list[list[str]]) -> bool:
         """Before any draft forward: does drafting pay this round, judged on the priors alone? When it does not,

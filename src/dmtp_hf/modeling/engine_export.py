@@ -89,6 +89,9 @@ def vllm_config(draft: nn.Module, head: nn.Module) -> dict[str, Any]:
             "draft_vocab_size": None if head.d2t is None else int(head.d2t.numel()),
         },
     }
+    calibration = config.dmtp_config.get("acceptance_calibration")
+    if calibration:  # the plugin's adaptive widths read the draft's confidence through it, as `auto` does
+        out["dmtp_config"]["acceptance_calibration"] = calibration
     return out
 
 

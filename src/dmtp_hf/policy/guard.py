@@ -39,7 +39,10 @@ class GuardRail:
     """Realised tokens per second of drafted rounds against plain steps over the last `GUARD_WINDOW` drafted
     rounds; ``backing_off`` says the policy should decode plainly (and draft only its probes)."""
 
-    def __init__(self, window: int = GUARD_WINDOW) -> None:
+    def __init__(self, window: int = GUARD_WINDOW, margin: float = 0.0) -> None:
+        # drafting has lost when its rate falls below plain steps' x (1 - margin): a margin keeps the acceptance noise
+        # of a window from stopping a draft that wins by little
+        self.margin = margin
         self.drafted: deque[tuple[int, float]] = deque(maxlen=window)  # (tokens, seconds) of recent drafted rounds
         self.plain_seconds: dict[int, float] = {}  # batch size -> running mean of a measured plain round
         self.backing_off = False
@@ -83,7 +86,7 @@ class GuardRail:
         if self.width == 0:
             self.plain_seconds[self.batch_size] = _mean(self.plain_seconds.get(self.batch_size), self.seconds)
             return
-        plain = self.plain_rate(self.batch_size, plain_step_seconds)
+        plain = self.plain_rate(self.batch_size, plain_step_seconds) * (1 - self.margin)
         if self.backing_off:  # a probe: the probes since the back-off, together, must beat plain steps to end it
             self.probe_loss = max(self.seconds - self.tokens / plain, 0.0)
             self.drafted.append((self.tokens, self.seconds))

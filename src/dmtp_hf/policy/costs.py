@@ -1,0 +1,64 @@
+"""What an engine step costs as a function of the tokens it verifies, learned from the steps the engine runs.
+
+A step over T tokens (``T = sum over requests of 1 + width``) costs the target's forward over them, sampling and
+verification, the drafter's pass over them, and the engine's bookkeeping: everything between two steps. On a GPU
+the curve is flat until the batch stops being memory-bound; on a CPU it rises from the first extra token. It is
+never a constant here: `StepCosts` keeps a running estimate per T seen, relative to a load that every observation
+moves (a machine whose load changes shifts the whole curve within a few steps, not only the T it happens to run).
+Between the T seen the curve is linear; past the widest one it keeps the slope of the last segment; it never
+decreases in T.
+
+Pure torch and the standard library (the vLLM plugin imports it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["LEARNING_RATE", "StepCosts"]
+
+# How far one observation moves the load (every T's estimate) and its own T's estimate relative to the load.
+LEARNING_RATE = 0.3
+
+
+class StepCosts:
+    """Seconds of a step by the tokens it verifies (module docstring)."""
+
+    def __init__(self) -> None:
+        self.points: dict[int, float] = {}  # T -> seconds at load 1
+        self.load = 1.0  # observed / estimated seconds over recent steps of every T
+        self.observations = 0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """A step over ``tokens`` tokens took ``seconds``: the load and that T's estimate move toward it."""
+        self.observations += 1
+        previous = self.points.get(tokens)
+        if previous is None:  # a new point: nothing to compare with but an extrapolation, no news of the load
+            self.points[tokens] = seconds / self.load
+            return
+        self.load += LEARNING_RATE * (seconds / previous - self.load)
+        self.points[tokens] = previous + LEARNING_RATE * (seconds / self.load - previous)
+
+    def known(self, tokens: int) -> bool:
+        """Whether a step over ``tokens`` tokens has been observed."""
+        return tokens in self.points
+
+    def seconds(self, tokens: int) -> float:
+        """The estimate for one T (0.0 before any observation)."""
+        if not self.points:
+            return 0.0
+        return float(self.curve(tokens)[tokens])
+
+    def curve(self, max_tokens: int) -> torch.Tensor:
+        """``[max_tokens + 1]`` estimated seconds of a step over T = 0..max_tokens tokens (module docstring)."""
+        grid = torch.arange(max_tokens + 1, dtype=torch.float64)
+        if not self.points:
+            return torch.zeros(max_tokens + 1, dtype=torch.float64)
+        xs = torch.tensor(sorted(self.points), dtype=torch.float64)
+        ys = self.load * torch.tensor([self.points[int(x)] for x in xs], dtype=torch.float64).cummax(0).values
+        if len(xs) == 1:
+            return torch.full_like(grid, float(ys[0]))
+        slopes = (ys[1:] - ys[:-1]) / (xs[1:] - xs[:-1])  # [n - 1]
+        segment = (torch.searchsorted(xs, grid, right=True) - 1).clamp(0, len(xs) - 2)
+        out = ys[segment] + slopes[segment] * (grid - xs[segment])
+        return torch.where(grid < xs[0], ys[0], out).cummax(0).values
