@@ -2,16 +2,18 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-$(shell cat setup.cfg pyproject.toml assets/pyproject.toml | cksum | cut -d' ' -f1)
+STAMP := $(VENV)/.installed-$(shell cat setup.cfg pyproject.toml assets/pyproject.toml policy/pyproject.toml | cksum | cut -d' ' -f1)
 # CPU wheel of torch on CPU machines; the pin is satisfied before any dependency can pull a CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: demo test test-vllm lint format install clean smollm2 demo-smollm2
 
-$(STAMP): setup.cfg pyproject.toml assets/pyproject.toml
+$(STAMP): setup.cfg pyproject.toml assets/pyproject.toml policy/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	# The speculation policy shared with the vLLM plugin: a distribution of its own (torch only), dmtp-hf needs it.
+	$(BIN)/python -m pip install -q -e ./policy
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	# The bundled toy models and test helpers: a second local distribution, so the library's wheel holds only the library.
 	$(BIN)/python -m pip install -q --no-deps -e ./assets
@@ -33,8 +35,8 @@ demo-smollm2: smollm2
 	$(BIN)/dmtp demo --bundle smollm2
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests scripts integrations
-	$(BIN)/ruff format --check src tests scripts integrations
+	$(BIN)/ruff check src tests scripts integrations policy
+	$(BIN)/ruff format --check src tests scripts integrations policy
 
 # One pytest worker per core (`make test TEST_WORKERS=0` runs in one process): the suite is many small,
 # single-threaded decodes, so two workers on two cores take about half the time.
@@ -48,8 +50,8 @@ test-vllm: smollm2
 	bash integrations/vllm/ci.sh
 
 format: $(STAMP)
-	$(BIN)/ruff format src tests scripts integrations
-	$(BIN)/ruff check --fix src tests scripts integrations
+	$(BIN)/ruff format src tests scripts integrations policy
+	$(BIN)/ruff check --fix src tests scripts integrations policy
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache src/*.egg-info

@@ -1,4 +1,4 @@
-"""The shared speculation policy (``dmtp_hf.policy``): its pieces against brute force, and the per-request policy of
+"""The shared speculation policy (``dmtp_policy``): its pieces against brute force, and the per-request policy of
 the vLLM plugin in a simulated engine with injected costs (no clock is read; every figure is exact).
 
 The simulated engine runs steps of B requests. Each step, for each request, the world draws the draft's confidence
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from dmtp_hf.policy import (
+from dmtp_policy import (
     Calibration,
     RequestPolicy,
     StepCosts,
@@ -28,8 +28,8 @@ from dmtp_hf.policy import (
     expected_commits,
     prompt_lookup,
 )
-from dmtp_hf.policy.ledger import Judged
-from dmtp_hf.policy.requests import DRAFT, LOOKUP
+from dmtp_policy.ledger import Judged
+from dmtp_policy.requests import DRAFT, LOOKUP
 
 K = 4
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from dmtp_hf.assistant.widths import AutoWidth, Calibration, CostModel
-from dmtp_hf.policy.guard import GUARD_WINDOW, GuardRail
+from dmtp_policy.guard import GUARD_WINDOW, GuardRail
 
 K = 4
 DMTP_PLAN = [[], ["t1"]] + [["t1", "dflash"]] * (K - 1)

@@ -468,3 +468,78 @@ def test_machine_load_moves_every_width_estimate():
         cost.observe_verify(1, 2.0)  # only plain steps run, at twice their timing
     assert cost.verify[1] == pytest.approx(2.0, rel=0.05) and cost.load == pytest.approx(2.0, rel=0.05)
     assert cost.verify[3] == pytest.approx(2.4, rel=0.05)  # never observed: follows the load
+
+
+def repetitive_prompt() -> torch.Tensor:
+    """A prompt that repeats itself, so prompt lookup has matches from the first round on."""
+    return torch.tensor([[5, 17, 42, 9, 77, 3, 5, 17, 42, 9, 77, 3, 5, 17, 42]])
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "deepseek_v3"])
+def test_prompt_lookup_competes_with_the_draft_and_output_is_unchanged(targets, family):
+    """``verify_length="auto"`` with prompt lookup (its default): some rows of some rounds verify lookup's copied
+    tokens instead of the draft's, and greedy output is plain ``generate``'s, one row and a ragged batch."""
+    target = targets[family]
+    prompt = repetitive_prompt()
+    reference = greedy_reference(target, prompt)
+    draft = draft_for(target)
+    for drafter in (DMTPDrafter(draft, draft.native_mtp), MTPDrafter(draft.native_mtp, 3)):
+        policy = RandomWidths(drafter.num_candidates, seed=2)
+        out, _ = speculative_decode(target, prompt, drafter, max_length=reference.shape[1], verify_length=policy)
+        assert torch.equal(out, reference), (family, drafter.name)
+        assert policy.lookup_rows > 0 and policy.lookup_estimate.seen[0] > 0, (drafter.name, policy.lookup_rows)
+    prompts = [prompt[0].tolist(), prompt[0, 3:].tolist()]
+    singles = [target.generate(torch.tensor([p]), do_sample=False, max_new_tokens=MAX_NEW)[0] for p in prompts]
+    ids, mask = _batch(prompts, pad=0)
+    policy = RandomWidths(draft.config.num_candidates, seed=3)
+    out, _ = speculative_decode(
+        target,
+        ids,
+        DMTPDrafter(draft, draft.native_mtp),
+        max_length=ids.shape[1] + MAX_NEW,
+        attention_mask=mask,
+        pad_token_id=0,
+        verify_length=policy,
+    )
+    for row, single in enumerate(singles):
+        expected = single[len(prompts[row]) :]
+        assert torch.equal(out[row, ids.shape[1] : ids.shape[1] + expected.shape[0]], expected), row
+    assert policy.lookup_rows > 0
+
+
+def test_prompt_lookup_is_off_on_request_and_refused_with_a_fixed_width(targets):
+    target = targets["qwen3_5"]
+    draft = draft_for(target)
+    drafter = DMTPDrafter(draft, draft.native_mtp)
+    policy = RandomWidths(drafter.num_candidates)
+    speculative_decode(target, repetitive_prompt(), drafter, max_length=24, verify_length=policy, prompt_lookup=False)
+    assert policy.lookup_rows == 0
+    with pytest.raises(ValueError, match="prompt_lookup=True needs verify_length='auto'"):
+        speculative_decode(target, repetitive_prompt(), drafter, max_length=24, verify_length=2, prompt_lookup=True)
+
+
+@pytest.mark.parametrize("mode", ["rejection", "block"])
+def test_sampled_output_keeps_the_distribution_with_prompt_lookup_rows(vocab6, mode):
+    """Rows that verify prompt lookup's copied tokens (a one-hot ``q``) next to the draft's: the distribution of
+    what is sampled is still the target's."""
+    target, prompt, steps, runs = vocab6, torch.tensor([[1, 2, 0, 1, 2, 0, 1, 2]]), 2, 500
+    exact = exact_distribution(target, prompt, steps, CUT_PROCESSORS)
+    drafter = _tiny_vocab_drafter(target, "dmtp")
+    policy = RandomWidths(drafter.num_candidates, seed=6)
+    counts = {}
+    torch.manual_seed(7)
+    for _ in range(runs):
+        out, _ = speculative_decode(
+            target,
+            prompt,
+            drafter,
+            max_length=prompt.shape[1] + steps,
+            do_sample=True,
+            logits_processor=CUT_PROCESSORS,
+            verify_mode=mode,
+            verify_length=policy,
+        )
+        key = tuple(out[0, prompt.shape[1] :].tolist())
+        counts[key] = counts.get(key, 0) + 1
+    assert policy.lookup_rows > runs // 10, policy.lookup_rows  # enough copied rows to have been tested
+    assert chi_square_p(counts, exact, runs) > 1e-3

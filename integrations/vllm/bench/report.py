@@ -67,13 +67,37 @@ def batch_table(batches: dict) -> list[str]:
     return lines
 
 
+def policy_table(per_set: dict, batches: dict) -> list[str]:
+    """Rows: the adaptive DMTP columns; per set (concurrency 1) and batch size: the mean verified width per request
+    and step / the share of plain steps / the share of request-steps that verified prompt lookup."""
+    sets = list(per_set)
+    methods = [m for m in per_set[sets[0]] if per_set[sets[0]][m].get("policy")]
+    sizes = list(batches)
+    header = [SET_NAMES.get(s, s) for s in sets] + [f"{size} requests" for size in sizes]
+    lines = ["| method | " + " | ".join(header) + " |", "|---|" + "---|" * len(header)]
+    for method in methods:
+        choices = [per_set[s][method]["policy"] for s in sets]
+        choices += [batches[size].get(method, {}).get("policy") for size in sizes]
+        cells = [
+            "—"
+            if c is None
+            else f"{c['mean_verified_width']:.2f} / {100 * c['plain_step_share']:.0f}% / {100 * c['lookup_share']:.0f}%"
+            for c in choices
+        ]
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def main() -> None:
     """Print the tables of a results file (markdown)."""
     results = json.loads(Path(sys.argv[1]).read_text())
     settings = results["settings"]
+    wall = results.get("wall_seconds", 0)
+    minutes = sum(wall.values()) / 60 if isinstance(wall, dict) else wall / 60
     print(
         f"Settings: {settings['limit']} prompts per set, {settings['max_tokens']} new tokens, greedy; "
-        f"{settings['cpu_count']} CPU cores; wall time {results.get('wall_seconds', 0) / 60:.0f} min.\n"
+        f"{'eager' if settings.get('eager', False) else 'compiled'} vLLM engines; "
+        f"{settings['cpu_count']} CPU cores; wall time {minutes:.0f} min.\n"
     )
     for dtype, run in results["runs"].items():
         print(f"### {dtype}: one request at a time\n")
@@ -81,6 +105,11 @@ def main() -> None:
         print("\n".join(concurrency_1_table(run["concurrency_1"])) + "\n")
         print(f"### {dtype}: requests submitted together (vLLM)\n")
         print("\n".join(batch_table(run["batches"])) + "\n")
+        if any(r.get("policy") for r in next(iter(run["concurrency_1"].values())).values()):
+            print(f"### {dtype}: what the adaptive policy chose\n")
+            print("mean verified width per request and step / share of plain steps / share of request-steps that")
+            print("verified prompt lookup\n")
+            print("\n".join(policy_table(run["concurrency_1"], run["batches"])) + "\n")
 
 
 if __name__ == "__main__":

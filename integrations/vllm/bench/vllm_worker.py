@@ -5,7 +5,8 @@ once the engine is up (weights loaded, compiled, warmed up; every answer line st
 logs share stdout); then, per job ``{"prompts": [{"prompt_token_ids",
 "max_tokens"}]}`` (submitted together: vLLM batches them), it prints the greedy tokens, the job's wall time and the
 speculative-decoding counters it added (``drafts``: verify rounds that carried proposals, ``accepted``, and
-``per_pos``: rounds that accepted at least i + 1 proposals).
+``per_pos``: rounds that accepted at least i + 1 proposals) and, with ``--policy-report``, the DMTP policy's
+counters over the job (``dmtp_vllm.report``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,16 @@ def counters(engine) -> dict:
     }
 
 
+def policy_counters(engine) -> dict:
+    """The DMTP policy's cumulative counters, from the engine's worker (``dmtp_vllm.report``)."""
+    return engine.collective_rpc("dmtp_policy_report")[0]["counters"]
+
+
+def policy_difference(after: dict, before: dict) -> dict:
+    """What the policy chose during one job (its scalar counters, differenced)."""
+    return {key: value - before[key] for key, value in after.items() if isinstance(value, int)}
+
+
 def difference(after: list[int], before: list[int]) -> list[int]:
     """Per-position counters added between two readings (a counter vector grows when a position first counts)."""
     before = before + [0] * (len(after) - len(before))
@@ -47,6 +58,7 @@ def main() -> None:
     parser.add_argument("--speculative-config", default=None, help="JSON, as vLLM's --speculative-config")
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--eager", action="store_true", help="enforce_eager: no torch.compile (minutes per engine)")
+    parser.add_argument("--policy-report", action="store_true", help="answer with the DMTP policy's counters too")
     args = parser.parse_args()
 
     from vllm import LLM, SamplingParams, TokensPrompt
@@ -57,7 +69,7 @@ def main() -> None:
         dtype=args.dtype,
         max_model_len=2048,
         max_num_seqs=args.max_num_seqs,
-        kv_cache_memory_bytes=512 << 20,
+        kv_cache_memory_bytes=384 << 20,
         speculative_config=spec,
         disable_log_stats=False,
         seed=0,
@@ -70,6 +82,7 @@ def main() -> None:
         prompts = [TokensPrompt(prompt_token_ids=p["prompt_token_ids"]) for p in job["prompts"]]
         params = [SamplingParams(temperature=0.0, max_tokens=p["max_tokens"]) for p in job["prompts"]]
         before = counters(engine)
+        policy_before = policy_counters(engine) if args.policy_report else None
         start = time.perf_counter()
         outputs = engine.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
@@ -81,6 +94,7 @@ def main() -> None:
                 "drafts": after["drafts"] - before["drafts"],
                 "accepted": after["accepted"] - before["accepted"],
                 "per_pos": difference(after["per_pos"], before["per_pos"]),
+                "policy": policy_difference(policy_counters(engine), policy_before) if args.policy_report else None,
             }
         )
 

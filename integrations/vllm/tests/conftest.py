@@ -102,11 +102,19 @@ def hf_reference(tmp_path_factory, target, prompts) -> list[dict]:
     return json.loads((out / "reference.json").read_text())
 
 
-def make_engine(target: Path, speculative_config: dict | None, max_num_seqs: int = 16, eager: bool = True):
+def make_engine(
+    target: Path, speculative_config: dict | None, max_num_seqs: int = 16, eager: bool = True, verify: str | None = None
+):
     """A small fp32 vLLM engine on this CPU (prefix caching on). ``eager``: no torch.compile, which costs a minute
-    or more per engine on two cores; the acceptance test runs vLLM's compiled default."""
+    or more per engine on two cores; the acceptance test runs vLLM's compiled default. ``verify``: the DMTP policy
+    (``"all"`` or ``"adaptive"``; its workers read it from the environment when they start), else the plugin's
+    default."""
     from vllm import LLM
 
+    if verify is None:
+        os.environ.pop("DMTP_VLLM_VERIFY", None)
+    else:
+        os.environ["DMTP_VLLM_VERIFY"] = verify
     return LLM(
         model=str(target),
         dtype="float32",

@@ -8,6 +8,8 @@ sampled tokens follow the target's distribution (vLLM's rejection sampler verifi
 from __future__ import annotations
 
 import collections
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -94,15 +96,17 @@ def plain_tokens(plain) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def dmtp_engine(target, exported, plain_tokens):
-    """An engine speculating with the DMTP draft, up to 16 requests per step. Made after the plain engine has run
-    (``plain_tokens``): creating an engine resets the process's metric registry, counters included."""
+    """An engine speculating with the DMTP draft, up to 16 requests per step, under the plugin's default policy
+    (adaptive widths per request, prompt lookup competing). Made after the plain engine has run (``plain_tokens``):
+    creating an engine resets the process's metric registry, counters included."""
     engine = make_engine(target, {"method": "dflash", "model": str(exported["dmtp"]), "num_speculative_tokens": 7})
     yield engine
     close(engine)
 
 
 def test_greedy_dmtp_is_token_identical_to_plain_vllm_at_batch_1_4_16(dmtp_engine, prompts, plain_tokens):
-    """vLLM's own plain greedy decoding is the reference: every request, every batch size."""
+    """vLLM's own plain greedy decoding is the reference: every request, every batch size, whatever widths and
+    sources the adaptive policy chose for each request and step (it chose some of each)."""
     for start in (0, 7):  # batch 1: one request at a time
         assert generate(dmtp_engine, prompts[start : start + 1]) == plain_tokens[start : start + 1]
     assert generate(dmtp_engine, prompts[2:6]) == plain_tokens[2:6]  # batch 4
@@ -110,18 +114,77 @@ def test_greedy_dmtp_is_token_identical_to_plain_vllm_at_batch_1_4_16(dmtp_engin
     assert generate(dmtp_engine, prompts) == plain_tokens  # batch 16 (prefixes now cached)
     after = spec_counters(dmtp_engine)
     assert after["drafts"] > before["drafts"] and after["accepted"] > before["accepted"]
+    report = dmtp_engine.collective_rpc("dmtp_policy_report")[0]
+    widths = report["counters"]["widths"]
+    assert len([w for w, rows in widths.items() if rows]) >= 3, widths  # widths differ between requests and steps
+    assert report["counters"]["lookup_rows"] > 0 and report["counters"]["blocks"] > 0, report["counters"]
 
 
-def test_sampling_at_temperature_1_keeps_the_target_distribution(dmtp_engine, plain, sampled_prompt):
-    """Tokens 2 and 3 of each continuation come from verified DMTP rounds: their distribution (and the pair's) is the
-    plain engine's. Independent seeds in the two engines; drafts must have been accepted, or nothing was tested."""
-    before = spec_counters(dmtp_engine)
-    speculative = sample(dmtp_engine, sampled_prompt, first_seed=SAMPLED_RUNS)
-    after = spec_counters(dmtp_engine)
-    assert after["accepted"] - before["accepted"] >= SAMPLED_RUNS // 4, (before, after)
+def test_every_proposal_verified_when_asked(target, exported, prompts, plain_tokens):
+    """``verify: "all"`` (DMTP_VLLM_VERIFY=all) is vLLM's DFlash round with T1: every request verifies all K
+    proposals every step, lossless, and the engine runs no policy."""
+    spec = {"method": "dflash", "model": str(exported["dmtp"]), "num_speculative_tokens": 7}
+    engine = make_engine(target, spec, max_num_seqs=4, verify="all")
+    try:
+        assert generate(engine, prompts[2:6]) == plain_tokens[2:6]
+        assert engine.collective_rpc("dmtp_policy_report") == [None]
+    finally:
+        close(engine)
+
+
+def test_installing_the_plugin_costs_plain_vllm_nothing(target):
+    """vLLM plain decoding with dmtp-vllm installed against the same engine with ``VLLM_PLUGINS=none``, both alive,
+    interleaved (bench/plugin_overhead.py): the median ratio of their times per job stays at 1. The bound here is
+    loose (0.90) because a shared two-core machine swings by 10 % between jobs; the report measures the goal
+    (>= 0.98) over more jobs. It catches what it was written for: installing the plugin once halved plain decoding."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from plugin_overhead import chat_prompts, measure
+
+    result = measure(str(target), chat_prompts(str(target), 4, 32), rounds=2, cores=set(range(os.cpu_count())))
+    assert result["identical"]
+    assert result["ratio"]["median"] >= 0.90, result
+
+
+def assert_same_distribution(plain_samples: list, speculative: list) -> None:
+    """Tokens 2 and 3 of each continuation, and the pair, have one distribution in both samples."""
     for name, part in [("token 2", lambda s: s[1:2]), ("token 3", lambda s: s[2:3]), ("tokens 2-3", lambda s: s[1:])]:
-        p_value = two_sample_chi_square([part(s) for s in plain["sampled"]], [part(s) for s in speculative])
+        p_value = two_sample_chi_square([part(s) for s in plain_samples], [part(s) for s in speculative])
         assert p_value > 1e-3, f"{name}: DMTP's samples differ from plain vLLM's (chi-square p = {p_value:.2e})"
+
+
+def test_sampling_at_temperature_1_keeps_the_target_distribution(target, exported, plain, sampled_prompt):
+    """Every proposal verified (the DMTP round's T1 and block at full width): tokens 2 and 3 of each continuation
+    come from verified rounds, and their distribution (and the pair's) is the plain engine's. Independent seeds in the
+    two engines; drafts must have been accepted, or nothing was tested."""
+    spec = {"method": "dflash", "model": str(exported["dmtp"]), "num_speculative_tokens": 7}
+    engine = make_engine(target, spec, verify="all")
+    try:
+        speculative = sample(engine, sampled_prompt, first_seed=SAMPLED_RUNS)
+        counters = spec_counters(engine)
+    finally:
+        close(engine)
+    assert counters["accepted"] >= SAMPLED_RUNS // 4, counters
+    assert_same_distribution(plain["sampled"], speculative)
+
+
+def test_sampling_keeps_the_distribution_under_the_adaptive_policy(target, exported, plain, sampled_prompt):
+    """The adaptive policy at four requests per step: requests of one step verify different numbers of proposals,
+    from the draft or from prompt lookup, and vLLM's rejection sampler (with the plugin's expand kernel) must keep
+    the target's distribution through every mix. At temperature 1 on this CPU it verifies fewer proposals than
+    with every one verified, so the bar for "something was tested" is lower."""
+    spec = {"method": "dflash", "model": str(exported["dmtp"]), "num_speculative_tokens": 7}
+    engine = make_engine(target, spec, max_num_seqs=4, verify="adaptive")
+    try:
+        speculative = sample(engine, sampled_prompt, first_seed=2 * SAMPLED_RUNS)
+        counters = spec_counters(engine)
+        widths = engine.collective_rpc("dmtp_policy_report")[0]["counters"]["widths"]
+    finally:
+        close(engine)
+    assert counters["accepted"] >= SAMPLED_RUNS // 16, counters
+    assert len([w for w, rows in widths.items() if int(w) > 0 and rows]) >= 2, widths
+    assert_same_distribution(plain["sampled"], speculative)
 
 
 def test_the_cpu_expand_kernel_writes_float_values():
@@ -142,7 +205,8 @@ def test_the_same_draft_accepts_as_in_dmtp_hf(target, exported, prompts, hf_refe
     dmtp-hf's own engine, and the first-candidate (T1) acceptance too; the text is the same wherever the two fp32
     targets agree."""
     spec = {"method": "dflash", "model": str(exported["dmtp"]), "num_speculative_tokens": 7}
-    engine = make_engine(target, spec, max_num_seqs=1, eager=False)  # vLLM's default: the block model compiled
+    # every proposal verified, as dmtp-hf's engine does with all K; vLLM's default: the block model compiled
+    engine = make_engine(target, spec, max_num_seqs=1, eager=False, verify="all")
     try:
         outputs = [generate(engine, [p])[0] for p in prompts]
         counters = spec_counters(engine)

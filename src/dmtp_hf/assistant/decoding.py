@@ -33,11 +33,12 @@ from .accept.processing import RowProcessors, TokenSelector
 from .accept.stopping import RowStopping
 from .accept.verification import VERIFY_MODES, process_logits, select_tokens, verify
 from .drafters.base import Drafter
+from .lookup import LookupRounds
 from .stats import RequestStats, SpecStats
 from .target.cache import TargetCacheState, new_static_cache, static_capacity
 from .target.linear_attention import has_gated_delta_net, verify_kernel_kwargs
 from .target.step import DrafterInputs, TargetStep
-from .widths import check_verify_length, width_policy
+from .widths import AutoWidth, check_verify_length, width_policy
 
 SAMPLED_DRAFTS = ("rejection", "block")  # verification modes that need the distribution each candidate came from
 
@@ -259,6 +260,25 @@ def start_drafter(drafter: Drafter, step: TargetStep, max_length: int, stats: Sp
     stats.listener = policy.timed
 
 
+def prompt_lookup_rounds(
+    prompt_lookup: bool | None, drafter: Drafter, target, input_ids: torch.Tensor, attention_mask, sampled: bool
+) -> LookupRounds | None:
+    """Prompt lookup competing with the draft (``None``: on under ``verify_length="auto"``); it needs the policy
+    that prices both, so asking for it with a fixed width is refused. ``sampled``: the verification compares
+    distributions (a copied token's is one-hot over the target's vocabulary)."""
+    policy = getattr(drafter, "width_policy", None)
+    if not isinstance(policy, AutoWidth):
+        if prompt_lookup:
+            raise ValueError(
+                "prompt_lookup=True needs verify_length='auto' (the policy that weighs it against the draft)"
+            )
+        return None
+    if prompt_lookup is False:
+        return None
+    vocab = target.get_output_embeddings().weight.shape[0] if sampled else None
+    return LookupRounds(input_ids, attention_mask, policy, vocab)
+
+
 def close(runner: TargetRunner, state: TargetCacheState | None, streamer, drafter: Drafter, stats: SpecStats) -> None:
     """Detach every hook from the target and end the stream, whatever happened; count graphed stages and widths."""
     stats.record_graphs(drafter.graph_calls())
@@ -294,6 +314,7 @@ def speculative_decode(
     outputs: StepOutputs | None = None,
     verify_length: int | str | None = None,
     compile_config: CompileConfig | None = None,
+    prompt_lookup: bool | None = None,
 ) -> tuple[torch.Tensor, SpecStats]:
     """Generate after ``input_ids`` ``[B, P]`` (left-padded) with ``drafter``: ``(sequences, stats)`` as ``generate``
     returns them (the options: this module's docstring)."""
@@ -307,6 +328,7 @@ def speculative_decode(
     stopping = RowStopping(input_ids, stopping_criteria, eos_token_id, pad_token_id)
     runner = TargetRunner(target, drafter, cache, compile_config)
     state = None
+    lookups = None
     try:
         with stats.stage("prefill"):
             batch, step, state = prefill(
@@ -324,10 +346,14 @@ def speculative_decode(
         select.for_batch(processors, batch)
         if not batch.done:
             start_drafter(drafter, step, max_length, stats, verify_length, target)
+            sampled = mode in SAMPLED_DRAFTS  # the verify compares distributions: a copied token's is one-hot
+            lookups = prompt_lookup_rounds(prompt_lookup, drafter, target, input_ids, attention_mask, sampled)
         with stats.stage("rounds"):  # every stage below runs inside; the stage times add up to this one
             while not batch.done:
-                # 1. Draft: up to K candidates per row after A, the last committed token.
+                # 1. Draft: up to K candidates per row after A, the last committed token (or prompt lookup's).
                 proposal = drafter.propose(batch.last_tokens, batch.anchor_positions, select, stats)
+                if lookups is not None:
+                    proposal = lookups.merge(proposal, batch, drafter.num_candidates)
                 candidates = proposal.tokens  # [B, k]
                 # 2. Verify: one target forward over [A, T1..Tk] at each row's positions a .. a+k.
                 with stats.stage("verify"):
@@ -348,21 +374,27 @@ def speculative_decode(
                     state.commit(round_.counts.clamp(min=1), [max(c, 1) for c in host.counts])
                 step = round_.committed(verify_positions, mtp_hidden, features, host.counts)
                 if any(batch.host.finished) and not batch.done:
-                    step = leave(batch, drafter, state, step)
+                    step = leave(batch, drafter, state, step, lookups)
                 # 5. Advance the drafter with the committed positions; the MTP head's next g predicts the next T1.
                 if not batch.done:
+                    if lookups is not None:
+                        lookups.learn(step.num_valid)
                     drafter.advance(step, stats)
     finally:
         close(runner, state, streamer, drafter, stats)
     return batch.sequences(input_ids, stopping.budget(batch)), stats
 
 
-def leave(batch: ActiveBatch, drafter: Drafter, state: TargetCacheState, step: TargetStep) -> TargetStep:
+def leave(
+    batch: ActiveBatch, drafter: Drafter, state: TargetCacheState, step: TargetStep, lookups: LookupRounds | None
+) -> TargetStep:
     """Finished rows leave the batch (when the drafter can drop rows), so later rounds do no work for them."""
     keep_host = [i for i, done in enumerate(batch.host.finished) if not done]
     keep = torch.tensor(keep_host, device=batch.rows.device)
     if not drafter.select_rows(keep, keep_host):
         return step
+    if lookups is not None:
+        lookups.select_rows(keep)
     batch.keep(keep, keep_host)
     state.select_rows(keep)
     return step.select_rows(keep, keep_host)

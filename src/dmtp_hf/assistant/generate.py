@@ -131,6 +131,7 @@ def dmtp_custom_generate(
     dmtp_streamer=None,
     dmtp_verify_mode: str | None = None,
     dmtp_verify_length: int | str | None = None,
+    dmtp_prompt_lookup: bool | None = None,
     dmtp_draft_sampling: bool | None = None,
     dmtp_profile: bool = False,
     dmtp_compile: bool | CompileConfig = False,
@@ -170,6 +171,7 @@ def dmtp_custom_generate(
         cache=cache,
         verify_mode=dmtp_verify_mode,
         verify_length=dmtp_verify_length,
+        prompt_lookup=dmtp_prompt_lookup,
         draft_sampling=dmtp_draft_sampling,
         streamer=dmtp_streamer,
         profile=dmtp_profile,
@@ -218,6 +220,7 @@ def generate(
     streamer=None,
     fast_path: bool = False,
     verify_length: int | str | None = None,
+    prompt_lookup: bool | None = None,
     compile: bool | CompileConfig = False,
     **generate_kwargs: Any,
 ):
@@ -226,7 +229,9 @@ def generate(
     Equivalent to ``target.generate(input_ids, assistant_model=assistant, **generate_kwargs)`` on a bound target,
     with the drafting ``strategy`` ("dmtp", "dflash", "mtp") and ``verify_mode`` ("greedy", "match",
     "rejection", "block") made explicit; ``fast_path=True`` runs the drafters at fixed shapes (CUDA graphs on GPU);
-    ``compile=True`` (or a ``CompileConfig``) compiles the target's verify forward over a static cache (batch 1).
+    ``compile=True`` (or a ``CompileConfig``) compiles the target's verify forward over a static cache (batch 1);
+    ``prompt_lookup`` (default: on with ``verify_length="auto"``) lets prompt-lookup proposals compete with the
+    draft's, row by row.
     """
     drafter = as_drafter(assistant, strategy=strategy, mtp_steps=mtp_steps, fast_path=fast_path)
     if drafter is None:
@@ -239,6 +244,7 @@ def generate(
         "dmtp_draft_sampling": draft_sampling,
         "dmtp_profile": profile,
         "dmtp_verify_length": verify_length,
+        "dmtp_prompt_lookup": prompt_lookup,
         "dmtp_compile": compile,
     }
     return original(input_ids, **engine_kwargs(target, drafter, streamer, generate_kwargs, **options))

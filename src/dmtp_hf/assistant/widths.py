@@ -20,7 +20,7 @@ maximises tokens per second over the batch (``k = 0`` is a plain decoding step):
   after 2, 4, ... such rounds (doubling while probes lose, at most ~`EXPLORATION` of the time, the schedule kept
   across calls). DMTP asks again after T1, before running DFlash: when T1 alone (or nothing) is the best bet, the
   DFlash forward is skipped; MTP-k chains stop when the next step does not pay for itself.
-- `~dmtp_hf.policy.guard.GuardRail`: no estimate is trusted blindly. What the drafted rounds of a recent window really
+- `~dmtp_policy.guard.GuardRail`: no estimate is trusted blindly. What the drafted rounds of a recent window really
   committed per second is compared with plain steps; when drafting has lost, the policy decodes plainly and only
   its probes draft, until one beats plain steps again.
 - One width serves the whole batch: a batch's verify is one padded rectangle, so a shorter block for one row would
@@ -49,9 +49,11 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicCache
 
-from ..policy.acceptance import Calibration, isotonic
-from ..policy.guard import GuardRail
-from ..policy.planner import best_uniform_width
+from dmtp_policy.acceptance import AcceptanceEstimate, Calibration, isotonic
+from dmtp_policy.guard import GuardRail
+from dmtp_policy.planner import best_uniform_width
+from dmtp_policy.requests import LOOKUP_PRIOR
+
 from .target.linear_attention import has_gated_delta_net, verify_kernel_kwargs
 
 __all__ = [
@@ -335,6 +337,7 @@ def width_policy(verify_length: int | str | RoundWidth | None, target, drafter, 
             "probe_interval": policy.probe_interval,
             "since_probe": 0,
             "guard": policy.guard,  # a back-off outlives the call: the next one does not relearn it
+            "lookup_estimate": policy.lookup_estimate,
         }
         policy.memory = learned.setdefault(key, fresh)
         for name, value in policy.memory.items():
@@ -375,6 +378,9 @@ class AutoWidth(RoundWidth):
         # the last round's verified confidences [B, k] and predicted acceptance of all drafted candidates [B, d],
         # until its verdict is learned
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.pending_rows: torch.Tensor | None = None  # [B] the rows `pending` holds, where lookup took others
+        self.lookup_estimate = AcceptanceEstimate(max_candidates, [LOOKUP_PRIOR])  # prompt lookup's, per position
+        self.lookup_rows = 0  # rows of rounds that verified prompt lookup instead of the draft
         self.probe_interval = FIRST_PROBE_INTERVAL  # plain rounds between probes (`drafts`)
         self.since_probe = 0  # plain rounds since the last probe
         self.since_full_block = 0  # drafted rounds since the last that verified all K candidates
@@ -416,11 +422,16 @@ class AutoWidth(RoundWidth):
         return width
 
     def learn(self, num_valid: list[int] | None) -> None:
-        """The round's acceptance (committed counts - 1 per row) updates the priors."""
+        """The round's acceptance (committed counts - 1 per row) updates the priors (of the rows that verified the
+        draft's candidates, where prompt lookup took some: `restrict_to_draft`)."""
         if self.pending is not None and num_valid is not None:
             conf, predicted = self.pending
+            if self.pending_rows is not None:
+                num_valid = [n for n, keep in zip(num_valid, self.pending_rows.tolist(), strict=True) if keep]
             accepted = torch.tensor([max(count - 1, 0) for count in num_valid], device=conf.device)
-            self.observe(conf, accepted, predicted)
+            if accepted.numel():
+                self.observe(conf, accepted, predicted)
+        self.pending_rows = None
         if num_valid is not None and self.widths:
             self.guard.committed(self.widths[-1], sum(num_valid))
         self.pending = None
@@ -441,7 +452,41 @@ class AutoWidth(RoundWidth):
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep the unanswered round's rows."""
         if self.pending is not None:
-            self.pending = (self.pending[0][rows], self.pending[1][rows])
+            if self.pending_rows is not None:  # pending holds the draft rows only: keep those of `rows`
+                kept = torch.zeros_like(self.pending_rows)
+                kept[rows] = True
+                self.pending = (self.pending[0][kept[self.pending_rows]], self.pending[1][kept[self.pending_rows]])
+                self.pending_rows = self.pending_rows[rows]
+            else:
+                self.pending = (self.pending[0][rows], self.pending[1][rows])
+
+    # -- prompt lookup's rows (`lookup.LookupRounds`) -----------------------------------------------------------
+
+    def drafted_gains(self, batch_size: int, kept: int) -> torch.Tensor:
+        """``[B, K]`` probability that each of this round's kept draft candidates is accepted (``-inf`` past the
+        ``kept`` ones, and everywhere in a round that drafted nothing)."""
+        out = torch.full((batch_size, self.max_candidates), float("-inf"))
+        if self.pending is not None and kept:
+            out[:, :kept] = self.pending[1][:, :kept].float().cpu().cumprod(dim=1)
+        return out
+
+    def width_seconds(self) -> list[float]:
+        """Seconds of this round at each width 0..K, its drafter stages paid already (what prompt lookup's rows
+        add is verify time)."""
+        drafted = 0 if self.pending is None else self.pending[1].shape[1]
+        paid = self.stage_plan[drafted]
+        return [self.cost.round_seconds(k, paid) for k in range(self.max_candidates + 1)]
+
+    def restrict_to_draft(self, draft_rows: torch.Tensor, width: int) -> None:
+        """Prompt lookup took the other rows, and the round verifies ``width`` candidates: the draft learns from
+        ``draft_rows`` ``[B]`` only (its confidences of what it drafted), the cost model and guard from ``width``."""
+        self.lookup_rows += int((~draft_rows).sum())
+        if self.pending is not None:
+            rows = draft_rows.to(self.pending[0].device)
+            self.pending = (self.pending[0][rows][:, :width], self.pending[1][rows])
+            self.pending_rows = draft_rows
+        if self.widths:
+            self.widths[-1] = width
 
     # -- the estimates ---------------------------------------------------------------------------------------------
 

@@ -6,6 +6,9 @@ methods, and ``SpeculativeConfig`` refuses method names it does not know. A DMTP
 ``DFlashProposer`` the runner built for a `DMTPProposer` when the draft's architecture is DMTP's. Nothing changes
 for any other draft.
 
+It also gives vLLM's workers one method, ``dmtp_policy_report`` (`report.policy_report`), so that
+``llm.collective_rpc("dmtp_policy_report")`` reads what the DMTP policy chose.
+
 The CPU build's stand-in for the ``expand`` kernel of vLLM's rejection sampler (``cpu_triton_utils.
 _expand_kernel_impl`` in vLLM 0.32) converts its output tensor to int64 and computes into that copy, so a float
 output (per-token temperature, top-p) is never written and the sampler divides the logits by uninitialised memory:
@@ -113,3 +116,9 @@ def install() -> None:
 
     __init__._dmtp_installed = True  # type: ignore[attr-defined]
     runner_class.__init__ = __init__
+    # `llm.collective_rpc("dmtp_policy_report")` reads what the policy chose from every worker
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    from .report import policy_report
+
+    WorkerBase.dmtp_policy_report = policy_report

@@ -166,11 +166,13 @@ class MTPHead(nn.Module):
         hidden, residual = self.layer(positions, hidden, None)
         return self.final_norm(hidden, residual)[0]
 
-    def greedy(self, g: torch.Tensor, target_lm_head: nn.Module) -> torch.Tensor:
-        """T1 ``[B]``: the argmax of the head's logits for ``g`` ``[B, H]``."""
-        if self.lm_head_weight is None:
-            return (g @ target_lm_head.weight.t()).argmax(dim=-1)
-        return self.token_ids[(g @ self.lm_head_weight.t()).argmax(dim=-1)]
+    def predict(self, g: torch.Tensor, target_lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """T1 ``[B]`` (the argmax of the head's logits for ``g`` ``[B, H]``) and its confidence ``[B]`` (the
+        probability the head gave it)."""
+        weight = target_lm_head.weight if self.lm_head_weight is None else self.lm_head_weight
+        confidence, index = (g @ weight.t()).float().softmax(dim=-1).max(dim=-1)
+        t1 = index if self.lm_head_weight is None else self.token_ids[index]
+        return t1, confidence
 
 
 class DFlashDMTPDraftModel(DFlashQwen3ForCausalLM):

@@ -1,19 +1,29 @@
-"""The DMTP round in vLLM: T1 from the MTP head, then one DFlash block conditioned on it.
+"""The DMTP round in vLLM: T1 from the MTP head, then one DFlash block conditioned on it, and per request the
+proposals worth verifying.
 
 vLLM calls ``propose`` once per engine step, after the target verified the previous proposals, with the tokens
 the target just processed (``target_token_ids``/``target_positions``, in padded mode the rejected ones too), their
 captured hidden states, and each request's bonus token (``next_token_ids``). For every request at once:
 
-1. **T1.** The MTP head consumes the new pairs ``(x_{t+1}, h_t)``: the processed tokens shifted by one, the bonus
-   in the last valid slot, the target's final hidden at t (the last captured layer, through the target's final
-   norm). This is vLLM's own EAGLE first pass, with the target's (causal) attention metadata: the head's K/V land in
-   its paged cache at those positions, and its output at the last valid slot is ``g``, whose argmax is T1. Rejected
-   slots are written too and overwritten once those positions hold real tokens, as for every vLLM drafter.
-2. **The block.** vLLM's DFlash pass (`DFlashProposer`): the context K/V of the processed positions from the
-   captured feature layers, then one non-causal pass over ``[bonus, T1 slot, MASK x (K-1)]``, where the T1 slot's
-   input is ``fusion(E(T1), g)`` (T1's id in the slot, the fusion's residual added to its embedding).
-3. **Proposals.** ``[T1, block slots 2..K]``: K = ``num_speculative_tokens`` (7 for drafts trained with 8-slot
-   blocks). vLLM's rejection sampler verifies them, so the output is the target's (greedy: token-identical).
+0. **What the last step showed.** Each request's accepted count (its scheduled proposals less the rejected ones)
+   and what the step cost teach the policy (`dmtp_policy.RequestPolicy`); the ledger judges proposals drafted
+   earlier and never verified against the tokens committed since.
+1. **State.** The MTP head's layer consumes the new pairs ``(x_{t+1}, h_t)`` (the processed tokens shifted by one,
+   the bonus in the last valid slot, the target's final hidden at t): vLLM's own EAGLE first pass with the target's
+   causal attention metadata, its K/V written at those positions. Every step runs it, whatever is proposed, so the
+   head's cache never misses a position. Its output at the last valid slot is ``g``. Prompt lookup finds each
+   request's n-gram match in its tokens (`dmtp_policy.prompt_lookup`).
+2. **T1**, when the policy asks the draft: the head's LM head on ``g``, T1 and its confidence.
+3. **The block**, when the policy wants it: vLLM's DFlash pass (`DFlashProposer`): the context K/V of the processed
+   positions from the captured feature layers, then one non-causal pass over ``[bonus, T1 slot, MASK x (K-1)]``,
+   where the T1 slot's input is ``fusion(E(T1), g)``. Without the block, the context K/V is still written.
+4. **The plan**: per request the draft's proposals ``[T1, slots 2..K]`` or its prompt-lookup ones, and how many
+   (0: a plain step for the request); vLLM's rejection sampler verifies each request's own count, so the output is
+   the target's whatever the plan (greedy: token-identical).
+
+With ``verify: "all"`` (the draft folder's ``dmtp_config.vllm``, or ``DMTP_VLLM_VERIFY=all``) every request verifies
+all K proposals every step, as vLLM's DFlash does; ``"adaptive"`` (the default) runs the policy, with prompt lookup
+unless ``prompt_lookup`` is false (``DMTP_VLLM_PROMPT_LOOKUP=0``).
 
 Draft tokens are greedy (vLLM's default ``draft_sample_method``); the probabilistic draft method would need T1's
 ``q`` next to the block's, which is not wired yet and is refused at start.
@@ -21,6 +31,8 @@ Draft tokens are greedy (vLLM's default ``draft_sample_method``); the probabilis
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any
 
 import torch
@@ -30,26 +42,58 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.spec_decode.dflash import DFlashProposer
 from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 
+from dmtp_policy import Calibration, RequestPolicy, prompt_lookup
+from dmtp_policy.ledger import ProposalLedger
+from dmtp_policy.requests import DRAFT, LOOKUP
+
 from .model import DFlashDMTPDraftModel
 
-__all__ = ["DMTPProposer"]
+__all__ = ["DMTPProposer", "PolicyOptions"]
+
+# Prompt lookup as the n-gram comparison in reports/vllm runs vLLM's: n-grams of 2 to 4 tokens.
+LOOKUP_MIN_NGRAM = 2
+LOOKUP_MAX_NGRAM = 4
+
+
+class PolicyOptions:
+    """How requests verify: ``verify`` ``"adaptive"`` or ``"all"``, and whether prompt lookup competes."""
+
+    def __init__(self, dmtp_config: dict[str, Any], environ: dict[str, str] | None = None) -> None:
+        environ = os.environ if environ is None else environ
+        stored = dmtp_config.get("vllm") or {}
+        self.verify = environ.get("DMTP_VLLM_VERIFY") or stored.get("verify", "adaptive")
+        if self.verify not in ("adaptive", "all"):
+            raise ValueError(f"DMTP verify must be 'adaptive' or 'all', got {self.verify!r}")
+        lookup = environ.get("DMTP_VLLM_PROMPT_LOOKUP")
+        self.prompt_lookup = stored.get("prompt_lookup", True) if lookup is None else lookup not in ("0", "false")
 
 
 class DMTPProposer(DFlashProposer):
-    """vLLM's DFlash proposer with the MTP head's T1 in front of the block (module docstring)."""
+    """vLLM's DFlash proposer with the MTP head's T1 in front of the block and a verify plan per request (module
+    docstring)."""
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device, runner: Any = None):
         super().__init__(vllm_config, device, runner)
+        self.runner = runner  # its input batch: request ids, committed tokens (vLLM's proposers keep no reference)
         spec = vllm_config.speculative_config
         if spec.draft_sample_method == "probabilistic":
             raise NotImplementedError("dmtp-vllm drafts greedily: leave draft_sample_method at 'greedy'")
-        candidates = self.draft_model_config.hf_config.dmtp_config["num_candidates"]
+        dmtp = self.draft_model_config.hf_config.dmtp_config
+        candidates = dmtp["num_candidates"]
         if not 2 <= spec.num_speculative_tokens <= candidates:
             raise ValueError(
                 f"num_speculative_tokens must lie in 2..{candidates} for this DMTP draft (T1 plus block slots it "
                 f"was trained for), got {spec.num_speculative_tokens}"
             )
+        self.options = PolicyOptions(dmtp)
+        self.policy: RequestPolicy | None = None
+        if self.options.verify == "adaptive":
+            calibration = Calibration.from_dict(dmtp.get("acceptance_calibration"))
+            self.policy = RequestPolicy(spec.num_speculative_tokens, calibration, lookup=self.options.prompt_lookup)
+        self.ledger = ProposalLedger()
         self._first_candidate: tuple[torch.Tensor, torch.Tensor] | None = None  # (T1 [B], g [B, H]) of this step
+        self._slot_confidence: torch.Tensor | None = None  # [B * K] of the block's last pass
+        self._last_end: float | None = None  # when the previous propose returned
 
     def load_model(self, target_model: torch.nn.Module) -> None:
         """vLLM's draft loading (embedding shared with the target), plus the target modules the head reads."""
@@ -75,48 +119,53 @@ class DMTPProposer(DFlashProposer):
         mm_embed_inputs: Any = None,
         num_rejected_tokens_gpu: torch.Tensor | None = None,
         slot_mappings: Any = None,
-    ) -> torch.Tensor:
-        """``[B, K]`` proposals: T1, then the block's slots 2..K."""
+    ) -> list[list[int]]:
+        """Each request's proposals to verify next step (the module docstring's round)."""
+        cad = common_attn_metadata
+        requests = list(self.runner.input_batch.req_ids[: cad.batch_size()])
         width = self.model.context_width
         context, last_layer = target_hidden_states[:, :width], target_hidden_states[:, width:]
-        t1, g = self._propose_first_candidate(
-            target_token_ids,
-            target_positions,
-            last_layer,
-            next_token_ids,
-            token_indices_to_sample,
-            common_attn_metadata,
-        )
-        self._first_candidate = (t1, g)
-        try:
-            proposals = super().propose(
-                num_speculative_tokens,
-                target_token_ids,
-                target_positions,
-                context,
-                next_token_ids,
-                token_indices_to_sample,
-                common_attn_metadata,
-                sampling_metadata,
-                mm_embed_inputs,
-                num_rejected_tokens_gpu,
-                slot_mappings,
-            )
-        finally:
-            self._first_candidate = None
-        proposals[:, 0] = t1  # the block's own guess at T1's slot is not a proposal: its input was T1
-        return proposals
+        pairs = (target_token_ids, target_positions, next_token_ids, token_indices_to_sample, cad)
+        # 0. what the last step showed
+        step = StepVerdict(self.runner.input_batch, cad, num_rejected_tokens_gpu, target_token_ids, next_token_ids)
+        if self.policy is not None:
+            self.policy.learn(requests, step.verified, step.accepted)
+            self._judge(requests, step)
+        # 1. state: the head's layer over the new pairs (g of every request), prompt lookup
+        g = self._mtp_hidden(last_layer, *pairs)
+        lookup, lookup_counts = self._prompt_lookup(step, num_speculative_tokens)
+        if self.policy is not None and self._last_end is not None:
+            seconds = time.perf_counter() - self._last_end
+            self.policy.step_timed(requests, target_token_ids.shape[0], seconds, step.committed)
+        # 2. T1 and 3. the block, when they pay (else only the block's context K/V)
+        proposals = confidence = None
+        if self.policy is None or self.policy.drafts(lookup_counts):
+            with self._stage("t1"):
+                t1, t1_confidence = self.model.mtp.predict(g, self._target_lm_head)
+            proposals, confidence = t1[:, None], t1_confidence[:, None]
+        if proposals is not None and (self.policy is None or self.policy.wants_block(t1_confidence, lookup_counts)):
+            with self._stage("block"):
+                block = (num_speculative_tokens, context, sampling_metadata, num_rejected_tokens_gpu)
+                proposals, confidence = self._block(t1, t1_confidence, g, *block, *pairs)
+        else:
+            self._store_context(context, num_rejected_tokens_gpu, *pairs)
+        # 4. the plan: per request, which proposals and how many
+        out = self._plan(requests, step, proposals, confidence, lookup, lookup_counts)
+        self._last_end = time.perf_counter()
+        return out
 
-    def _propose_first_candidate(
+    # -- the pieces of the round -------------------------------------------------------------------------------
+
+    def _mtp_hidden(
         self,
+        last_layer: torch.Tensor,
         target_token_ids: torch.Tensor,
         target_positions: torch.Tensor,
-        last_layer: torch.Tensor,
         next_token_ids: torch.Tensor,
         token_indices_to_sample: torch.Tensor | None,
         cad: CommonAttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Step 1 of the module docstring: ``(T1 [B], g [B, H])``."""
+    ) -> torch.Tensor:
+        """Step 1 of the module docstring: ``g`` ``[B, H]``, the head's output at each request's last valid pair."""
         head = self.model.mtp
         # The head reads the hidden fed to the LM head (post-norm) unless trained on the pre-norm one.
         hidden = self._target_final_norm(last_layer) if self.model.mtp_hidden_input == "post_norm" else last_layer
@@ -136,8 +185,142 @@ class DMTPProposer(DFlashProposer):
             slot_mapping={name: slots for name in self._draft_attn_layer_names},
         ):
             g = head(self.model.model.embed_tokens(pair_tokens), hidden, target_positions)  # [N, H]
-        g = g[token_indices_to_sample]  # [B, H]: predicts the token after each bonus
-        return head.greedy(g, self._target_lm_head), g
+        return g[token_indices_to_sample]  # [B, H]: predicts the token after each bonus
+
+    def _block(
+        self,
+        t1: torch.Tensor,
+        t1_confidence: torch.Tensor,
+        g: torch.Tensor,
+        num_speculative_tokens: int,
+        context: torch.Tensor,
+        sampling_metadata: Any,
+        num_rejected_tokens_gpu: torch.Tensor | None,
+        target_token_ids: torch.Tensor,
+        target_positions: torch.Tensor,
+        next_token_ids: torch.Tensor,
+        token_indices_to_sample: torch.Tensor | None,
+        cad: CommonAttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step 3: vLLM's DFlash pass with T1 in its slot: ``[B, K]`` proposals and their confidences."""
+        self._first_candidate = (t1, g)
+        try:
+            proposals = super().propose(
+                num_speculative_tokens,
+                target_token_ids,
+                target_positions,
+                context,
+                next_token_ids,
+                token_indices_to_sample,
+                cad,
+                sampling_metadata,
+                None,
+                num_rejected_tokens_gpu,
+            )
+        finally:
+            self._first_candidate = None
+        proposals[:, 0] = t1  # the block's own guess at T1's slot is not a proposal: its input was T1
+        slots = self._slot_confidence.view(t1.shape[0], -1)
+        return proposals, torch.cat([t1_confidence[:, None], slots[:, 1:]], dim=1)
+
+    def _store_context(
+        self,
+        context: torch.Tensor,
+        num_rejected_tokens_gpu: torch.Tensor | None,
+        target_token_ids: torch.Tensor,
+        target_positions: torch.Tensor,
+        next_token_ids: torch.Tensor,
+        token_indices_to_sample: torch.Tensor | None,
+        cad: CommonAttentionMetadata,
+    ) -> None:
+        """Without the block: only the context K/V of the processed positions (later blocks attend to them)."""
+        hidden = self.model.combine_hidden_states(context)
+        DFlashProposer.set_inputs_first_pass(
+            self,
+            target_token_ids=target_token_ids,
+            next_token_ids=next_token_ids,
+            target_positions=target_positions,
+            target_hidden_states=hidden,
+            token_indices_to_sample=token_indices_to_sample,
+            cad=cad,
+            num_rejected_tokens_gpu=num_rejected_tokens_gpu,
+        )
+        count = target_token_ids.shape[0]
+        self.model.precompute_and_store_context_kv(
+            self._dflash_hidden_states,
+            self._context_positions_buffer[:count],
+            self._context_slot_mapping_buffer[:count],
+        )
+
+    def _prompt_lookup(self, step: StepVerdict, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each request's prompt-lookup proposals ``[B, K]`` and their count ``[B]`` (0 where lookup is off, or the
+        request is not decoding)."""
+        batch = step.lengths.shape[0]
+        if self.policy is None or self.policy.lookup is None:
+            return torch.zeros(batch, num_tokens, dtype=torch.long), torch.zeros(batch, dtype=torch.long)
+        proposals, counts = prompt_lookup(step.tokens, step.lengths, num_tokens, LOOKUP_MIN_NGRAM, LOOKUP_MAX_NGRAM)
+        room = (self.max_model_len - step.lengths).clamp(min=0)  # as vLLM's n-gram: never past the model's length
+        return proposals, torch.where(step.decoding, torch.minimum(counts, room), torch.zeros_like(counts))
+
+    def _plan(
+        self,
+        requests: list[str],
+        step: StepVerdict,
+        proposals: torch.Tensor | None,
+        confidence: torch.Tensor | None,
+        lookup: torch.Tensor,
+        lookup_counts: torch.Tensor,
+    ) -> list[list[int]]:
+        """Step 4: each request's proposals; the ones drafted and not verified go to the ledger."""
+        batch = len(requests)
+        if self.policy is None:  # verify "all": every request, every proposal
+            return proposals.tolist()
+        plan = self.policy.choose(requests, confidence, lookup_counts)
+        if proposals is None and not lookup_counts.any():  # a plain step with nothing to judge later
+            return [[] for _ in requests]
+        drafted = proposals.cpu() if proposals is not None else torch.zeros(batch, 0, dtype=torch.long)
+        padded = None if confidence is None else self.policy.padded_conf(confidence)
+        out = []
+        for row, request in enumerate(requests):
+            width, source = int(plan.widths[row]), int(plan.source[row])
+            chosen = drafted[row] if source == DRAFT else lookup[row, : int(lookup_counts[row])]
+            out.append(chosen[:width].tolist())
+            if not bool(step.decoding[row]):
+                continue
+            start = int(step.lengths[row])
+            if drafted.shape[1]:
+                first = width if source == DRAFT else 0
+                self.ledger.add(request, DRAFT, start, drafted[row].tolist(), first, padded[row])
+            if int(lookup_counts[row]):
+                first = width if source == LOOKUP else 0
+                self.ledger.add(request, LOOKUP, start, lookup[row, : int(lookup_counts[row])].tolist(), first, None)
+        return out
+
+    def _judge(self, requests: list[str], step: StepVerdict) -> None:
+        """Proposals of earlier steps, judged by the tokens committed before this step (`ledger`)."""
+        present = set(requests)
+        for request in self.ledger.requests():
+            if request not in present:
+                self.ledger.drop(request)
+        judged = []
+        for row, request in enumerate(requests):
+            judged += self.ledger.resolve(request, step.history[row], int(step.history_lengths[row]))
+        self.policy.learn_judged(judged)
+
+    def _stage(self, name: str):
+        return _Timed(self.policy, name)
+
+    # -- vLLM's hooks ----------------------------------------------------------------------------------------------
+
+    def _greedy_sample(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The block slots' greedy tokens, keeping each one's confidence (the probability the draft gave it)."""
+        logits = self.model.compute_logits(hidden_states)
+        if self.use_heterogeneous_vocab:
+            logits = self.vocab_mapping.constrain_draft_logits(logits)
+        self._slot_confidence, tokens = logits.float().softmax(dim=-1).max(dim=-1)
+        if self.use_heterogeneous_vocab:
+            tokens = self.vocab_mapping.map_draft_to_target_ids(tokens)
+        return tokens
 
     def set_inputs_first_pass(self, *args: Any, **kwargs: Any) -> tuple[int, torch.Tensor, Any]:
         """DFlash's block inputs, then every request's T1 slot: T1's id, and the fusion residual of ``(E(T1), g)``
@@ -154,3 +337,65 @@ class DMTPProposer(DFlashProposer):
                 block.slot_residual.dtype
             )
         return num_tokens, token_indices_to_sample, cad
+
+
+class _Timed:
+    """Times a drafter stage for the policy (nothing without one)."""
+
+    def __init__(self, policy: RequestPolicy | None, name: str) -> None:
+        self.policy, self.name = policy, name
+
+    def __enter__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.policy is not None and exc[0] is None:
+            self.policy.stage_timed(self.name, time.perf_counter() - self.start)
+
+
+class StepVerdict:
+    """What the step that just ran did for each request of the batch (host tensors, one sync).
+
+    ``verified`` ``[B]``: proposals it verified (its scheduled tokens less one); ``accepted`` ``[B]``: of them
+    accepted; ``decoding`` ``[B]``: whether it produced a token (a prefill chunk that is not the prompt's last does
+    not); ``committed``: tokens committed over the batch. ``tokens`` ``[B, L]``/``lengths`` ``[B]``: each request's
+    tokens with this step's committed ones (what prompt lookup searches; its next proposal is for position
+    ``lengths``). ``history``/``history_lengths``: the tokens committed before this step (the runner's own buffer).
+    """
+
+    def __init__(
+        self,
+        input_batch: Any,
+        cad: CommonAttentionMetadata,
+        num_rejected: torch.Tensor | None,
+        target_token_ids: torch.Tensor,
+        next_token_ids: torch.Tensor,
+    ) -> None:
+        batch = cad.batch_size()
+        starts = cad.query_start_loc_cpu[: batch + 1].long()
+        scheduled = starts[1:] - starts[:-1]  # [B]
+        before = torch.from_numpy(input_batch.num_tokens_no_spec[:batch]).long()
+        computed = torch.from_numpy(input_batch.num_computed_tokens_cpu[:batch]).long()
+        self.decoding = computed + scheduled >= before
+        rejected = torch.zeros(batch, dtype=torch.long) if num_rejected is None else num_rejected.cpu().long()
+        # a decoding request's scheduled tokens are its last committed one (not yet computed) and its proposals
+        proposals = (computed + scheduled - before).clamp(min=0)
+        self.verified = torch.where(self.decoding, proposals, torch.zeros_like(proposals))
+        self.accepted = (self.verified - rejected).clamp(min=0)
+        self.committed = int((self.accepted + 1)[self.decoding].sum())
+        self.history = torch.from_numpy(input_batch.token_ids_cpu[:batch])
+        self.history_lengths = before
+        # this step's committed tokens: the accepted proposals (the scheduled ones after the first) and the bonus
+        longest = int(self.accepted.max()) + 1 if batch else 1
+        offsets = torch.arange(longest)
+        index = (starts[:-1, None] + 1 + offsets).clamp(max=max(target_token_ids.shape[0] - 1, 0))
+        new = target_token_ids.cpu()[index]  # [B, longest]
+        new[torch.arange(batch), self.accepted] = next_token_ids.cpu().to(new.dtype)
+        width = int(before.max()) + longest if batch else longest
+        self.tokens = torch.zeros(batch, width, dtype=torch.long)
+        copied = min(width, self.history.shape[1])
+        self.tokens[:, :copied] = self.history[:, :copied].long()
+        keep = offsets[None] <= self.accepted[:, None]
+        rows = torch.arange(batch)[:, None].expand_as(index)
+        self.tokens[rows[keep], (before[:, None] + offsets)[keep]] = new[keep].long()
+        self.lengths = torch.where(self.decoding, before + self.accepted + 1, before)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -59,16 +60,29 @@ class Calibration:
     edges: list[float] = field(default_factory=list)
     rates: list[list[float]] = field(default_factory=list)
     base_rates: list[float] = field(default_factory=list)
+    _tables: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # device -> (edges, rates)
 
     def __call__(self, conf: torch.Tensor) -> torch.Tensor:
         """``[B, k]`` acceptance probabilities of proposals with confidences ``conf`` ``[B, k]``."""
         if not self.rates:
             return conf.float()
-        edges = torch.tensor(self.edges, device=conf.device)
+        if conf.device not in self._tables:
+            self._tables[conf.device] = (
+                torch.tensor(self.edges, device=conf.device),
+                torch.tensor(self.rates, device=conf.device),  # [K, bins]
+            )
+        edges, table = self._tables[conf.device]
         bins = torch.bucketize(conf.float().clamp(0, 1), edges).clamp(max=len(self.edges) - 1)  # [B, k]
         positions = torch.arange(conf.shape[1], device=conf.device).clamp(max=len(self.rates) - 1)
-        table = torch.tensor(self.rates, device=conf.device)  # [K, bins]
         return table[positions[None].expand_as(bins), bins]
+
+    def host(self, conf: np.ndarray) -> np.ndarray:
+        """`__call__` on a host array ``[B, k]`` (what the per-request policy reads every step)."""
+        if not self.rates:
+            return conf
+        bins = np.minimum(np.searchsorted(self.edges, np.clip(conf, 0.0, 1.0), side="left"), len(self.edges) - 1)
+        positions = np.minimum(np.arange(conf.shape[1]), len(self.rates) - 1)
+        return np.asarray(self.rates)[positions[None], bins]
 
     @classmethod
     def fit(cls, pairs: list[tuple[int, float, bool]], num_bins: int = 10) -> Calibration:
@@ -119,6 +133,12 @@ def isotonic(sums: list[float], counts: list[int]) -> list[float]:
     return out
 
 
+def _host(values: Any) -> np.ndarray:
+    if hasattr(values, "detach"):
+        values = values.detach().cpu().numpy()
+    return np.asarray(values)
+
+
 class AcceptanceEstimate:
     """What one proposer's rounds accepted, per position: ``prior[j]`` = P(proposal j accepted | earlier accepted),
     and the mean confidence of the tested proposals (an uncalibrated proposer's confidence is rescaled by their
@@ -130,47 +150,48 @@ class AcceptanceEstimate:
         self.prior = [start[min(j, len(start) - 1)] for j in range(num_positions)]
         self.seen = [0.0] * num_positions  # tests each prior has absorbed
         self.mean_confidence = [PRIOR_ACCEPTANCE] * num_positions
+        self._arrays: tuple[np.ndarray, np.ndarray] | None = None  # (prior, prior / mean confidence)
 
     def update(self, j: int, tested: float, accepted: float, confidence: float | None = None) -> None:
         """``tested`` proposals at position j, ``accepted`` of them (``confidence``: the sum of their confidences).
         A running mean at first (after PRIOR_WEIGHT pseudo-tests), then a moving average."""
+        self._arrays = None
         self.seen[j] += tested
         weight = max(tested / (self.seen[j] + PRIOR_WEIGHT), self.rate)
         self.prior[j] += weight * (accepted / tested - self.prior[j])
         if confidence is not None:
             self.mean_confidence[j] += weight * (confidence / tested - self.mean_confidence[j])
 
-    def observe(
-        self, widths: torch.Tensor, accepted: torch.Tensor, conf: torch.Tensor | None = None, first: int = 0
-    ) -> None:
+    def observe(self, widths: Any, accepted: Any, conf: Any = None, first: int = 0) -> None:
         """Rows whose proposals ``first .. first + widths - 1`` were tested in order (``widths`` ``[B]``; ``first``
         > 0: the ones before were accepted already) and ``accepted`` ``[B]`` of them accepted (``conf``
-        ``[B, >= first + max width]``: every proposal's confidence). One host sync."""
-        k = min(len(self.prior) - first, int(widths.max())) if widths.numel() else 0
+        ``[B, >= first + max width]``: every proposal's confidence). Tensors or arrays."""
+        widths, accepted = _host(widths).astype(np.int64), _host(accepted).astype(np.int64)
+        k = min(len(self.prior) - first, int(widths.max())) if widths.size else 0
         if k <= 0:
             return
-        steps = torch.arange(k, device=widths.device)
+        steps = np.arange(k)
         verified = steps[None] < widths[:, None]
         reached = verified & (steps[None] <= accepted[:, None])  # proposal j was tested (the ones before accepted)
         passed = verified & (steps[None] < accepted[:, None])
-        rows = [reached.sum(0).float(), passed.sum(0).float()]
-        if conf is not None:
-            rows.append((conf[:, first : first + k].float() * reached).sum(0))
-        values = torch.stack(rows).tolist()
-        for j in range(k):
-            if values[0][j]:
-                self.update(first + j, values[0][j], values[1][j], values[2][j] if conf is not None else None)
+        tested, taken = reached.sum(0), passed.sum(0)
+        confidence = None if conf is None else (_host(conf)[:, first : first + k] * reached).sum(0)
+        for j in np.flatnonzero(tested):
+            self.update(first + int(j), float(tested[j]), float(taken[j]), None if conf is None else confidence[j])
 
-    def rates(self, conf: torch.Tensor | None, num_rows: int, calibration: Calibration | None = None) -> torch.Tensor:
-        """``[B, K]`` conditional acceptance: for the first ``conf.shape[1]`` positions from the confidences
-        (calibrated, or rescaled to what the rounds accepted), the learned priors beyond."""
-        rates = torch.tensor(self.prior, dtype=torch.float32).expand(num_rows, -1).clone()
+    def rates(self, conf: Any, num_rows: int, calibration: Calibration | None = None) -> np.ndarray:
+        """``[B, K]`` conditional acceptance (host array): for the first ``conf.shape[1]`` positions from the
+        confidences (calibrated, or rescaled to what the rounds accepted), the learned priors beyond."""
+        if self._arrays is None or len(self._arrays[0]) != len(self.prior):  # lists may be replaced wholesale
+            ratios = [p / max(c, 1e-3) for p, c in zip(self.prior, self.mean_confidence, strict=True)]
+            self._arrays = (np.array(self.prior), np.array(ratios))
+        prior, ratios = self._arrays
+        rates = np.tile(prior, (num_rows, 1))
         if conf is None or conf.shape[1] == 0:
             return rates
         known = conf.shape[1]
         if calibration is not None and calibration.rates:
-            rates[:, :known] = calibration(conf).float().cpu()
+            rates[:, :known] = calibration.host(np.asarray(conf, dtype=np.float64))
         else:
-            ratios = [p / max(c, 1e-3) for p, c in zip(self.prior[:known], self.mean_confidence[:known], strict=True)]
-            rates[:, :known] = (conf.float().cpu() * torch.tensor(ratios)).clamp(0, 1)
+            rates[:, :known] = np.clip(np.asarray(conf, dtype=np.float64) * ratios[:known], 0.0, 1.0)
         return rates

@@ -8,12 +8,12 @@ moves (a machine whose load changes shifts the whole curve within a few steps, n
 Between the T seen the curve is linear; past the widest one it keeps the slope of the last segment; it never
 decreases in T.
 
-Pure torch and the standard library (the vLLM plugin imports it).
+NumPy and the standard library (the vLLM plugin imports it).
 """
 
 from __future__ import annotations
 
-import torch
+import numpy as np
 
 __all__ = ["LEARNING_RATE", "StepCosts"]
 
@@ -28,10 +28,12 @@ class StepCosts:
         self.points: dict[int, float] = {}  # T -> seconds at load 1
         self.load = 1.0  # observed / estimated seconds over recent steps of every T
         self.observations = 0
+        self._curves: dict[int, np.ndarray] = {}  # max_tokens -> curve, until the next observation
 
     def observe(self, tokens: int, seconds: float) -> None:
         """A step over ``tokens`` tokens took ``seconds``: the load and that T's estimate move toward it."""
         self.observations += 1
+        self._curves.clear()
         previous = self.points.get(tokens)
         if previous is None:  # a new point: nothing to compare with but an extrapolation, no news of the load
             self.points[tokens] = seconds / self.load
@@ -49,16 +51,20 @@ class StepCosts:
             return 0.0
         return float(self.curve(tokens)[tokens])
 
-    def curve(self, max_tokens: int) -> torch.Tensor:
+    def curve(self, max_tokens: int) -> np.ndarray:
         """``[max_tokens + 1]`` estimated seconds of a step over T = 0..max_tokens tokens (module docstring)."""
-        grid = torch.arange(max_tokens + 1, dtype=torch.float64)
+        if max_tokens not in self._curves:
+            self._curves[max_tokens] = self._interpolate(max_tokens)
+        return self._curves[max_tokens]
+
+    def _interpolate(self, max_tokens: int) -> np.ndarray:
+        grid = np.arange(max_tokens + 1, dtype=np.float64)
         if not self.points:
-            return torch.zeros(max_tokens + 1, dtype=torch.float64)
-        xs = torch.tensor(sorted(self.points), dtype=torch.float64)
-        ys = self.load * torch.tensor([self.points[int(x)] for x in xs], dtype=torch.float64).cummax(0).values
-        if len(xs) == 1:
-            return torch.full_like(grid, float(ys[0]))
-        slopes = (ys[1:] - ys[:-1]) / (xs[1:] - xs[:-1])  # [n - 1]
-        segment = (torch.searchsorted(xs, grid, right=True) - 1).clamp(0, len(xs) - 2)
-        out = ys[segment] + slopes[segment] * (grid - xs[segment])
-        return torch.where(grid < xs[0], ys[0], out).cummax(0).values
+            return np.zeros(max_tokens + 1)
+        xs = np.array(sorted(self.points), dtype=np.float64)
+        ys = self.load * np.maximum.accumulate(np.array([self.points[int(x)] for x in xs]))
+        # linear between the T seen, the last segment's slope past the widest, the first value before the first
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else 0.0
+        out = np.interp(grid, xs, ys)
+        out = np.where(grid > xs[-1], ys[-1] + slope * (grid - xs[-1]), out)
+        return np.maximum.accumulate(out)

@@ -32,14 +32,15 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
-import torch
+import numpy as np
 
-from .acceptance import AcceptanceEstimate, Calibration, gains
+from .acceptance import AcceptanceEstimate, Calibration
 from .costs import StepCosts
 from .guard import GuardRail
 from .ledger import Judged
-from .planner import Plan, allocate, choose_sources
+from .planner import Plan, allocate, as_array, choose_sources
 
 __all__ = ["DRAFT", "LOOKUP", "LOOKUP_PRIOR", "PolicyCounters", "RequestPolicy", "StepPlan"]
 
@@ -55,7 +56,9 @@ FIRST_GUARD_INTERVAL = 2
 MAX_GUARD_INTERVAL = 32
 # Whether asking the draft pays is judged over these quantiles of the last T1_HISTORY confidences of T1.
 T1_HISTORY = 256
-T1_QUANTILES = torch.tensor([0.1, 0.3, 0.5, 0.7, 0.9])
+T1_QUANTILES = [0.1, 0.3, 0.5, 0.7, 0.9]
+# ... and judged again after this many steps (it moves with the estimates and the curve, which move slowly).
+ASK_REFRESH = 8
 STAGE_RATE = 0.2  # how fast measured drafter stage seconds move their running means
 # The least weight of new evidence in the acceptance estimates: half ``generate``'s, because here every drafted
 # proposal is judged (the ledger), so evidence is plentiful and a steadier estimate decides marginal cases better.
@@ -73,12 +76,12 @@ DRAFT, LOOKUP = 0, 1  # source indices
 class StepPlan:
     """What each request of the step verifies."""
 
-    source: torch.Tensor  # [B] DRAFT or LOOKUP
-    widths: torch.Tensor  # [B] proposals verified (0: a plain step for the request)
+    source: np.ndarray  # [B] DRAFT or LOOKUP
+    widths: np.ndarray  # [B] proposals verified (0: a plain step for the request)
 
-    def verified_from(self, source: int) -> torch.Tensor:
+    def verified_from(self, source: int) -> np.ndarray:
         """``[B]`` how many of ``source``'s proposals each request verifies (the ledger judges the rest)."""
-        return torch.where(self.source == source, self.widths, torch.zeros_like(self.widths))
+        return np.where(self.source == source, self.widths, 0)
 
 
 @dataclass
@@ -98,12 +101,12 @@ class PolicyCounters:
     def add(self, plan: StepPlan) -> None:
         """Count one step's plan."""
         self.steps += 1
-        self.rows += plan.widths.numel()
+        self.rows += plan.widths.size
         verified = int(plan.widths.sum())
         self.verified += verified
         self.plain_steps += verified == 0
         self.lookup_rows += int(((plan.source == LOOKUP) & (plan.widths > 0)).sum())
-        for width, count in zip(*torch.unique(plan.widths, return_counts=True), strict=True):
+        for width, count in zip(*np.unique(plan.widths, return_counts=True), strict=True):
             self.widths[int(width)] = self.widths.get(int(width), 0) + int(count)
 
 
@@ -122,9 +125,10 @@ class RequestPolicy:
         self.stage_seconds: dict[str, float] = {}  # drafter stage -> running mean of its seconds
         self.spent = {"total": 0.0, "probes": 0.0}  # seconds of every step, and of the stages probes ran
         self.guard = GuardRail(GUARD_STEPS, GUARD_MARGIN)
-        self.pending: dict[str, tuple[int, torch.Tensor | None]] = {}  # request -> (source, confidences)
+        self.pending: dict[str, tuple[int, np.ndarray | None]] = {}  # request -> (source, confidences)
         self.planned: dict[str, int] = {}  # request -> the width planned for it last
         self.t1_confidences: deque[float] = deque(maxlen=T1_HISTORY)  # what T1's confidence was, lately
+        self._asked: dict[tuple[int, int], tuple[bool, int]] = {}  # (batch, rows with lookup) -> (pays, at step)
         self.since_probe = 0  # steps since the draft last ran
         self.since_block = 0  # steps that drafted T1 since the block last ran
         self.block_probe = False  # this step's block runs for the ledger only
@@ -148,34 +152,38 @@ class RequestPolicy:
 
     # -- what the last step showed -------------------------------------------------------------------------------
 
-    def learn(self, request_ids: list[str], verified: torch.Tensor, accepted: torch.Tensor) -> None:
+    def learn(self, request_ids: list[str], verified: Any, accepted: Any) -> None:
         """The last step's verdict per request of this step's batch: ``verified`` ``[B]`` proposals it verified (the
-        scheduler may have cut a plan), ``accepted`` ``[B]`` of them accepted."""
-        rows: dict[int, list[tuple[int, torch.Tensor | None]]] = {DRAFT: [], LOOKUP: []}
+        scheduler may have cut a plan), ``accepted`` ``[B]`` of them accepted (tensors or arrays)."""
+        if not self.pending:
+            return
+        verified, accepted = as_array(verified), as_array(accepted)
+        rows: dict[int, list[tuple[int, np.ndarray | None]]] = {DRAFT: [], LOOKUP: []}
         for row, request in enumerate(request_ids):
             if request in self.pending:
                 source, conf = self.pending.pop(request)
                 rows[source].append((row, conf))
         for source, entries in rows.items():
             if entries and source in self.estimates:
-                index = torch.tensor([row for row, _ in entries])
+                index = [row for row, _ in entries]
                 confs = [c for _, c in entries]
-                conf = torch.stack(confs) if all(c is not None for c in confs) else None
-                self.estimates[source].observe(verified.cpu()[index], accepted.cpu()[index], conf)
+                conf = np.stack(confs) if all(c is not None for c in confs) else None
+                self.estimates[source].observe(verified[index], accepted[index], conf)
         self.pending.clear()
 
     def learn_judged(self, judged: list[Judged]) -> None:
         """Drafted proposals the committed text judged (`ledger.ProposalLedger`): each counts from its first
         unverified proposal, and only where the verified ones before it were all accepted."""
+        groups: dict[tuple[int, int, bool], list[Judged]] = {}
         for item in judged:
-            estimate = self.estimates.get(item.source)
-            if estimate is None or item.matched < item.first:
-                continue
-            estimate.observe(
-                torch.tensor([item.drafted - item.first]),
-                torch.tensor([item.matched - item.first]),
-                None if item.conf is None else item.conf[None],
-                first=item.first,
+            if item.source in self.estimates and item.matched >= item.first:
+                groups.setdefault((item.source, item.first, item.conf is not None), []).append(item)
+        for (source, first, with_conf), items in groups.items():
+            self.estimates[source].observe(
+                np.array([i.drafted - first for i in items]),
+                np.array([i.matched - first for i in items]),
+                np.stack([as_array(i.conf) for i in items]) if with_conf else None,
+                first=first,
             )
 
     def step_timed(self, request_ids: list[str], tokens: int, seconds: float, committed: int) -> None:
@@ -209,9 +217,10 @@ class RequestPolicy:
 
     # -- the step's questions ------------------------------------------------------------------------------------
 
-    def drafts(self, lookup_counts: torch.Tensor) -> bool:
+    def drafts(self, lookup_counts: Any) -> bool:
         """Before T1: is the draft worth asking this step (see the module docstring)? Sets whether the step may
         verify anything at all (``plain``) and whether it is a probe."""
+        lookup_counts = as_array(lookup_counts)
         batch = lookup_counts.shape[0]
         self.probing = self.plain = self.guard_probe = False
         exploring = self._exploring(batch)
@@ -239,14 +248,15 @@ class RequestPolicy:
         self.counters.probes += 1
         return True
 
-    def wants_block(self, t1_conf: torch.Tensor, lookup_counts: torch.Tensor) -> bool:
+    def wants_block(self, t1_conf: Any, lookup_counts: Any) -> bool:
         """With T1's confidence ``[B]`` known: is the block's forward worth running? (When it is not, it runs anyway
         now and then for the ledger, within the probes' share of the time: its positions keep being judged.)"""
         self.block_probe = False
         if self._exploring(t1_conf.shape[0]) is not None:
             return True
-        full = self._gains(t1_conf.shape[0], t1_conf[:, None], lookup_counts, drafted=None)
-        t1_only = self._gains(t1_conf.shape[0], t1_conf[:, None], lookup_counts, drafted=1)
+        t1_conf, lookup_counts = as_array(t1_conf)[:, None], as_array(lookup_counts)
+        full = self._gains(t1_conf.shape[0], t1_conf, lookup_counts, drafted=None)
+        t1_only = self._gains(t1_conf.shape[0], t1_conf, lookup_counts, drafted=1)
         if self._best(full, self._block).rate > self._best(t1_only, 0.0).rate:
             self.since_block = 0
             return True
@@ -257,36 +267,39 @@ class RequestPolicy:
         self.counters.probes += 1
         return True
 
-    def choose(self, request_ids: list[str], draft_conf: torch.Tensor | None, lookup_counts: torch.Tensor) -> StepPlan:
+    def choose(self, request_ids: list[str], draft_conf: Any, lookup_counts: Any) -> StepPlan:
         """The step's plan, given the draft's confidences ``[B, d]`` (``None``: the draft was not asked) and each
-        request's prompt-lookup proposals ``[B]``; remembered for `learn`."""
+        request's prompt-lookup proposals ``[B]`` (tensors or arrays); remembered for `learn`."""
+        lookup_counts = as_array(lookup_counts)
+        draft_conf = None if draft_conf is None else as_array(draft_conf)
         batch = lookup_counts.shape[0]
         if draft_conf is not None:
-            self.t1_confidences.extend(draft_conf[:, 0].float().cpu().tolist())
-        rows = torch.arange(batch)
+            self.t1_confidences.extend(draft_conf[:, 0].tolist())
+        rows = np.arange(batch)
         drafted = 0 if draft_conf is None else draft_conf.shape[1]
         all_gains = self._gains(batch, draft_conf, lookup_counts, drafted=drafted)
         exploring = self._exploring(batch)
         if self.plain or exploring is False:
-            source, widths = torch.full((batch,), DRAFT), torch.zeros(batch, dtype=torch.long)
+            source, widths = np.full(batch, DRAFT), np.zeros(batch, dtype=np.int64)
         elif exploring:  # every proposal: the widest step of this batch
-            source = torch.full((batch,), DRAFT if drafted else LOOKUP)
-            widths = (all_gains[source, rows] > float("-inf")).sum(-1)
+            source = np.full(batch, DRAFT if drafted else LOOKUP)
+            widths = (all_gains[source, rows] > -np.inf).sum(-1)
         else:
             curve = self._curve(batch)
             source = choose_sources(all_gains, curve)
             widths = allocate(all_gains[source, rows], curve).widths
         self.judged = exploring is None and (self.guard_probe or not self.guard.backing_off)
-        plan = StepPlan(source.long(), widths.long())
+        plan = StepPlan(source.astype(np.int64), widths.astype(np.int64))
         self.counters.add(plan)
         self.counters.drafted_steps += drafted > 0
         self._remember(request_ids, plan, draft_conf)
         return plan
 
-    def padded_conf(self, conf: torch.Tensor) -> torch.Tensor:
+    def padded_conf(self, conf: Any) -> np.ndarray:
         """``[B, K]`` confidences of ``[B, d]`` drafted proposals (zero past them): rows of different steps stack."""
-        out = torch.zeros(conf.shape[0], self.num_candidates)
-        out[:, : conf.shape[1]] = conf.float().cpu()
+        conf = as_array(conf)
+        out = np.zeros((conf.shape[0], self.num_candidates))
+        out[:, : conf.shape[1]] = conf
         return out
 
     # -- the estimates --------------------------------------------------------------------------------------------
@@ -305,25 +318,30 @@ class RequestPolicy:
         """Probes (the draft run for the ledger alone) may cost at most `EXPLORATION` of the time."""
         return self.spent["probes"] <= EXPLORATION * self.spent["total"]
 
-    def _asking_pays(self, batch: int, lookup_counts: torch.Tensor) -> bool:
+    def _asking_pays(self, batch: int, lookup_counts: np.ndarray) -> bool:
         """Whether asking the draft for T1 is expected to pay, counting what T1's confidence will be worth: asked,
         the draft's confidence decides each request's width, so the value of asking is the mean, over the T1
         confidences recent steps saw (a few quantiles), of the best plan given that confidence (T1 alone, or the
         whole block at its cost), each charged T1's seconds, against the plan without the draft."""
+        key = (batch, int((lookup_counts > 0).sum()))
+        cached = self._asked.get(key)
+        if cached is not None and self.counters.steps - cached[1] < ASK_REFRESH:
+            return cached[0]
         without = self._gains(batch, None, lookup_counts, drafted=0)
         baseline = self._best(without, 0.0).rate
-        confs = torch.tensor(list(self.t1_confidences)) if self.t1_confidences else None
-        levels = [None] if confs is None else torch.quantile(confs, T1_QUANTILES).tolist()
+        levels = np.quantile(self.t1_confidences, T1_QUANTILES).tolist() if self.t1_confidences else [None]
         tokens = seconds = 0.0
         for level in levels:
-            conf = None if level is None else torch.full((batch, 1), level)
+            conf = None if level is None else np.full((batch, 1), level)
             plans = [
                 self._best(self._gains(batch, conf, lookup_counts, drafted=None), self._t1 + self._block),
                 self._best(self._gains(batch, conf, lookup_counts, drafted=1), self._t1),
             ]
             best = max(plans, key=lambda plan: plan.rate)
             tokens, seconds = tokens + best.tokens, seconds + best.seconds
-        return tokens / seconds > baseline
+        pays = tokens / seconds > baseline
+        self._asked[key] = (pays, self.counters.steps)
+        return pays
 
     def _exploring(self, batch: int) -> bool | None:
         """The first steps measure the curve: ``False`` a plain step (nothing seen yet), ``True`` a step verifying
@@ -334,31 +352,29 @@ class RequestPolicy:
             return True
         return None
 
-    def _curve(self, batch: int) -> torch.Tensor:
+    def _curve(self, batch: int) -> np.ndarray:
         return self.costs.curve(batch * (self.num_candidates + 1))
 
-    def _best(self, all_gains: torch.Tensor, drafted_seconds: float) -> Plan:
+    def _best(self, all_gains: np.ndarray, drafted_seconds: float) -> Plan:
         """The plan over the best source per proposal (an optimistic bound of the step's rate)."""
-        return allocate(all_gains.max(dim=0).values, self._curve(all_gains.shape[1]), drafted_seconds)
+        return allocate(all_gains.max(axis=0), self._curve(all_gains.shape[1]), drafted_seconds)
 
-    def _gains(
-        self, batch: int, draft_conf: torch.Tensor | None, lookup_counts: torch.Tensor, drafted: int | None
-    ) -> torch.Tensor:
+    def _gains(self, batch: int, draft_conf: Any, lookup_counts: np.ndarray, drafted: int | None) -> np.ndarray:
         """``[2, B, K]`` gains of the draft's proposals (confidences where known, priors beyond) and of each request's
         prompt-lookup proposals; ``-inf`` past the ``drafted`` draft proposals (``None``: not drafted yet, the
         priors stand for them) and past each request's lookup proposals."""
-        positions = torch.arange(self.num_candidates)[None]
-        draft = gains(self.draft.rates(draft_conf, batch, self.calibration))
+        positions = np.arange(self.num_candidates)[None]
+        draft = np.cumprod(self.draft.rates(draft_conf, batch, self.calibration), axis=1)
         if drafted is not None:
-            draft = torch.where(positions < drafted, draft, float("-inf"))
+            draft = np.where(positions < drafted, draft, -np.inf)
         if self.lookup is None:
-            lookup = torch.full((batch, self.num_candidates), float("-inf"))
+            lookup = np.full((batch, self.num_candidates), -np.inf)
         else:
-            lookup = gains(self.lookup.rates(None, batch))
-            lookup = torch.where(positions < lookup_counts.cpu()[:, None], lookup, float("-inf"))
-        return torch.stack([draft, lookup])
+            lookup = np.cumprod(self.lookup.rates(None, batch), axis=1)
+            lookup = np.where(positions < lookup_counts[:, None], lookup, -np.inf)
+        return np.stack([draft, lookup])
 
-    def _remember(self, request_ids: list[str], plan: StepPlan, draft_conf: torch.Tensor | None) -> None:
+    def _remember(self, request_ids: list[str], plan: StepPlan, draft_conf: np.ndarray | None) -> None:
         self.planned = dict(zip(request_ids, plan.widths.tolist(), strict=True))
         padded = None if draft_conf is None else self.padded_conf(draft_conf)
         for row, request in enumerate(request_ids):
