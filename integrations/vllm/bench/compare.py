@@ -175,9 +175,13 @@ def main() -> None:
     sets = load_prompts(AutoTokenizer.from_pretrained(args.target), args.limit, args.max_tokens)
     previous = json.loads(args.output.read_text()) if args.output.is_file() else {}
     settings = vars(args) | {"output": str(args.output), "cpu_count": os.cpu_count(), "eager": not args.compiled}
-    results: dict = {"settings": settings, "runs": previous.get("runs", {}), "wall_seconds": {}}
-    if isinstance(previous.get("wall_seconds"), dict):
-        results["wall_seconds"] = previous["wall_seconds"]
+    results: dict = {"settings": {}, "runs": previous.get("runs", {}), "wall_seconds": {}}
+    for key in ("settings", "wall_seconds"):  # per dtype, for the dtypes kept
+        stored = previous.get(key)
+        if isinstance(stored, dict) and "dtypes" in stored:  # one run's settings: they are its dtypes'
+            stored = dict.fromkeys(stored["dtypes"].split(","), stored)
+        if isinstance(stored, dict):
+            results[key] = {d: v for d, v in stored.items() if d in results["runs"]}
     for dtype in args.dtypes.split(","):
         started = time.time()
         workers = {}
@@ -214,6 +218,7 @@ def main() -> None:
         for worker in workers.values():
             worker.close()
         results["runs"][dtype] = {"concurrency_1": per_set, "batches": batches}
+        results["settings"][dtype] = settings
         results["wall_seconds"][dtype] = time.time() - started
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(results, indent=1) + "\n")

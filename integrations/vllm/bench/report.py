@@ -91,14 +91,15 @@ def policy_table(per_set: dict, batches: dict) -> list[str]:
 def main() -> None:
     """Print the tables of a results file (markdown)."""
     results = json.loads(Path(sys.argv[1]).read_text())
-    settings = results["settings"]
-    wall = results.get("wall_seconds", 0)
-    minutes = sum(wall.values()) / 60 if isinstance(wall, dict) else wall / 60
-    print(
-        f"Settings: {settings['limit']} prompts per set, {settings['max_tokens']} new tokens, greedy; "
-        f"{'eager' if settings.get('eager', False) else 'compiled'} vLLM engines; "
-        f"{settings['cpu_count']} CPU cores; wall time {minutes:.0f} min.\n"
-    )
+    for dtype in results["runs"]:
+        settings = results["settings"].get(dtype, results["settings"])
+        minutes = results.get("wall_seconds", {}).get(dtype, 0) / 60
+        print(
+            f"Settings ({dtype}): {settings['limit']} prompts per set, {settings['max_tokens']} new tokens, greedy; "
+            f"{'eager' if settings.get('eager', False) else 'compiled'} vLLM engines; batches of "
+            f"{settings.get('batch_sizes', '4,16')} repeated {settings['batch_repeats']} times; "
+            f"{settings['cpu_count']} CPU cores; wall time {minutes:.0f} min.\n"
+        )
     for dtype, run in results["runs"].items():
         print(f"### {dtype}: one request at a time\n")
         print("τ per verify / first-candidate acceptance / time ratio to the same engine's plain decoding (median)\n")
