@@ -543,3 +543,13 @@ def test_sampled_output_keeps_the_distribution_with_prompt_lookup_rows(vocab6, m
         counts[key] = counts.get(key, 0) + 1
     assert policy.lookup_rows > runs // 10, policy.lookup_rows  # enough copied rows to have been tested
     assert chi_square_p(counts, exact, runs) > 1e-3
+
+
+def test_eval_labels_name_auto_with_and_without_prompt_lookup():
+    """``dmtp:auto`` lets prompt lookup compete (the default), ``dmtp:auto-draft`` is the draft alone under
+    ``auto``; fixed widths never take lookup."""
+    from dmtp_hf.evaluation.models import lookup_of, split_width
+
+    assert split_width("dmtp:auto") == ("dmtp", "auto") and lookup_of("dmtp:auto") is None
+    assert split_width("dmtp:auto-draft") == ("dmtp", "auto") and lookup_of("dmtp:auto-draft") is False
+    assert split_width("mtp4:2") == ("mtp4", 2) and lookup_of("mtp4:2") is None

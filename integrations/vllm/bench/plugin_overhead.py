@@ -47,6 +47,8 @@ def measure(target: str, prompts: list[dict], rounds: int, cores: set[int], eage
             "none": tokens / sum(b["seconds"] for b in without),
         },
         "eager": eager,
+        # per job, in the order they ran: a compiled engine's first jobs pay torch.compile for their new shapes
+        "seconds": {"plugin": [a["seconds"] for a in with_plugin], "none": [b["seconds"] for b in without]},
     }
 
 

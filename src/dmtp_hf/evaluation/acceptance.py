@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from ..assistant.generate import generate as dmtp_generate
 from ..assistant.stats import SpecStats
-from .models import ModelPaths, Strategy, eos_token_ids
+from .models import ModelPaths, Strategy, eos_token_ids, lookup_of
 from .prompts import DEFAULT_LIMIT, PromptSet
 
 SCHEMA = "dmtp-eval/1"
@@ -153,6 +153,7 @@ def _run_prompt_set(
                         drafters[label],
                         verify_mode=settings.resolved_verify_mode,
                         verify_length=widths[label],
+                        prompt_lookup=lookup_of(label) if widths[label] == "auto" else None,
                         attention_mask=torch.ones_like(input_ids),
                         return_dict_in_generate=True,
                         **gen_kwargs,

@@ -20,7 +20,8 @@ if TYPE_CHECKING:  # torch and the engine load on use: the `dmtp` parser reads t
 
 MTP_STRATEGY = re.compile(r"^mtp(\d+)(?:@(?P<head>[\w.-]+))?$")
 DMTP_KINDS = ("dmtp", "dflash")
-WIDTH_SUFFIX = re.compile(r"^(?P<base>.+?):(?P<width>auto|\d+)$")  # dmtp:auto, mtp4:2: the round width of a label
+# dmtp:auto, mtp4:2, dmtp:auto-draft: the round width of a label (auto-draft: "auto" without prompt lookup)
+WIDTH_SUFFIX = re.compile(r"^(?P<base>.+?):(?P<width>auto-draft|auto|\d+)$")
 # What runs when `--strategies` is omitted ("dflash" only where a DFlash draft is known), followed by the labels of
 # the `--extra-draft` options given; a bundle's other drafts run when named.
 DEFAULT_STRATEGIES = ("dmtp", "dflash", "mtp4")
@@ -34,12 +35,19 @@ def default_strategies_text() -> str:
 
 def split_width(label: str) -> tuple[str, int | str | None]:
     """``"dmtp:auto"`` -> ``("dmtp", "auto")``, ``"mtp4:2"`` -> ``("mtp4", 2)``, ``"dflash"`` -> ``("dflash", None)``
-    (the label and its round width)."""
+    (the label and its round width; ``"dmtp:auto-draft"`` is ``"auto"`` too, its prompt lookup off:
+    `lookup_of`)."""
     match = WIDTH_SUFFIX.match(label)
     if match is None:
         return label, None
     width = match["width"]
-    return match["base"], width if width == "auto" else int(width)
+    return match["base"], width if width.startswith("auto") else int(width)
+
+
+def lookup_of(label: str) -> bool | None:
+    """Whether a label's rounds let prompt lookup compete (``False`` for ``:auto-draft``; ``None``: the default)."""
+    match = WIDTH_SUFFIX.match(label)
+    return False if match is not None and match["width"] == "auto-draft" else None
 
 
 @dataclass
@@ -152,6 +160,11 @@ class Strategy:
     checkpoint: str | None = None
     details: dict[str, Any] = field(default_factory=dict)
     verify_length: int | str | None = None  # the label's own round width (``dmtp:auto``); None: the run's setting
+
+    @property
+    def prompt_lookup(self) -> bool | None:
+        """Whether prompt lookup competes in its ``auto`` rounds (``False`` for ``:auto-draft``)."""
+        return lookup_of(self.label)
 
     @property
     def num_candidates(self) -> int:

@@ -77,7 +77,9 @@ def build_baselines(
     for strategy in strategies:
         width = strategy.verify_length if strategy.verify_length is not None else verify_length
 
-        def ours(ids: torch.Tensor, mask: torch.Tensor, drafter=strategy.drafter, width=width) -> torch.Tensor:
+        def ours(
+            ids: torch.Tensor, mask: torch.Tensor, drafter=strategy.drafter, width=width, lookup=strategy.prompt_lookup
+        ) -> torch.Tensor:
             return dmtp_generate(
                 target,
                 ids,
@@ -85,6 +87,7 @@ def build_baselines(
                 verify_mode=verify_mode,
                 attention_mask=mask,
                 verify_length=width,
+                prompt_lookup=lookup if width == "auto" else None,
                 compile=compile,
                 **gen_kwargs,
             )
@@ -92,6 +95,7 @@ def build_baselines(
         plural = "s" if strategy.num_candidates != 1 else ""
         description = f"{strategy_method(strategy)}, {strategy.num_candidates} candidate{plural}"
         description += f", verify_length={width}" if width is not None else ""
+        description += ", prompt lookup off" if strategy.prompt_lookup is False else ""
         description += ", compiled verify" if compile else ""
         # the batched engine; a compiled verify runs over a static cache, batch size 1
         baselines.append(Baseline(strategy.label, description, ours, max_batch_size=1 if compile else None))

@@ -23,7 +23,8 @@ captured hidden states, and each request's bonus token (``next_token_ids``). For
 
 With ``verify: "all"`` (the draft folder's ``dmtp_config.vllm``, or ``DMTP_VLLM_VERIFY=all``) every request verifies
 all K proposals every step, as vLLM's DFlash does; ``"adaptive"`` (the default) runs the policy, with prompt lookup
-unless ``prompt_lookup`` is false (``DMTP_VLLM_PROMPT_LOOKUP=0``).
+unless ``prompt_lookup`` is false (``DMTP_VLLM_PROMPT_LOOKUP=0``); ``"none"`` verifies nothing and only keeps the
+draft's state (what a plain step of a DMTP engine costs, for measurements).
 
 Draft tokens are greedy (vLLM's default ``draft_sample_method``); the probabilistic draft method would need T1's
 ``q`` next to the block's, which is not wired yet and is refused at start.
@@ -55,15 +56,20 @@ LOOKUP_MIN_NGRAM = 2
 LOOKUP_MAX_NGRAM = 4
 
 
+# adaptive: the policy; all: every proposal, every step; none: nothing is ever verified, the draft's state is kept
+# (what a DMTP engine's plain steps cost, for measurements)
+VERIFY_MODES = ("adaptive", "all", "none")
+
+
 class PolicyOptions:
-    """How requests verify: ``verify`` ``"adaptive"`` or ``"all"``, and whether prompt lookup competes."""
+    """How requests verify (``verify``, one of `VERIFY_MODES`) and whether prompt lookup competes."""
 
     def __init__(self, dmtp_config: dict[str, Any], environ: dict[str, str] | None = None) -> None:
         environ = os.environ if environ is None else environ
         stored = dmtp_config.get("vllm") or {}
         self.verify = environ.get("DMTP_VLLM_VERIFY") or stored.get("verify", "adaptive")
-        if self.verify not in ("adaptive", "all"):
-            raise ValueError(f"DMTP verify must be 'adaptive' or 'all', got {self.verify!r}")
+        if self.verify not in VERIFY_MODES:
+            raise ValueError(f"DMTP verify must be one of {VERIFY_MODES}, got {self.verify!r}")
         lookup = environ.get("DMTP_VLLM_PROMPT_LOOKUP")
         self.prompt_lookup = stored.get("prompt_lookup", True) if lookup is None else lookup not in ("0", "false")
 
@@ -126,19 +132,24 @@ class DMTPProposer(DFlashProposer):
         width = self.model.context_width
         context, last_layer = target_hidden_states[:, :width], target_hidden_states[:, width:]
         pairs = (target_token_ids, target_positions, next_token_ids, token_indices_to_sample, cad)
-        # 0. what the last step showed
-        step = StepVerdict(self.runner.input_batch, cad, num_rejected_tokens_gpu, target_token_ids, next_token_ids)
+        # 0. what the last step showed (nothing to learn when every proposal is verified)
+        step = None
         if self.policy is not None:
+            step = StepVerdict(self.runner.input_batch, cad, num_rejected_tokens_gpu, target_token_ids, next_token_ids)
             self.policy.learn(requests, step.verified, step.accepted)
             self._judge(requests, step)
         # 1. state: the head's layer over the new pairs (g of every request), prompt lookup
         g = self._mtp_hidden(last_layer, *pairs)
-        lookup, lookup_counts = self._prompt_lookup(step, num_speculative_tokens)
+        lookup, lookup_counts = self._prompt_lookup(step, len(requests), num_speculative_tokens)
         if self.policy is not None and self._last_end is not None:
             seconds = time.perf_counter() - self._last_end
             self.policy.step_timed(requests, target_token_ids.shape[0], seconds, step.committed)
         # 2. T1 and 3. the block, when they pay (else only the block's context K/V)
         proposals = confidence = None
+        if self.options.verify == "none":
+            self._store_context(context, num_rejected_tokens_gpu, *pairs)
+            self._last_end = time.perf_counter()
+            return [[] for _ in requests]
         if self.policy is None or self.policy.drafts(lookup_counts):
             with self._stage("t1"):
                 t1, t1_confidence = self.model.mtp.predict(g, self._target_lm_head)
@@ -252,11 +263,12 @@ class DMTPProposer(DFlashProposer):
             self._context_slot_mapping_buffer[:count],
         )
 
-    def _prompt_lookup(self, step: StepVerdict, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _prompt_lookup(
+        self, step: StepVerdict | None, batch: int, num_tokens: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each request's prompt-lookup proposals ``[B, K]`` and their count ``[B]`` (0 where lookup is off, or the
         request is not decoding)."""
-        batch = step.lengths.shape[0]
-        if self.policy is None or self.policy.lookup is None:
+        if step is None or self.policy.lookup is None:
             return torch.zeros(batch, num_tokens, dtype=torch.long), torch.zeros(batch, dtype=torch.long)
         proposals, counts = prompt_lookup(step.tokens, step.lengths, num_tokens, LOOKUP_MIN_NGRAM, LOOKUP_MAX_NGRAM)
         room = (self.max_model_len - step.lengths).clamp(min=0)  # as vLLM's n-gram: never past the model's length
@@ -265,7 +277,7 @@ class DMTPProposer(DFlashProposer):
     def _plan(
         self,
         requests: list[str],
-        step: StepVerdict,
+        step: StepVerdict | None,
         proposals: torch.Tensor | None,
         confidence: torch.Tensor | None,
         lookup: torch.Tensor,
