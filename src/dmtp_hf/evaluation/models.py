@@ -41,7 +41,7 @@ def split_width(label: str) -> tuple[str, int | str | None]:
     if match is None:
         return label, None
     width = match["width"]
-    return match["base"], width if width.startswith("auto") else int(width)
+    return match["base"], "auto" if width.startswith("auto") else int(width)
 
 
 def lookup_of(label: str) -> bool | None:
