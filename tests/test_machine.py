@@ -80,3 +80,15 @@ def test_a_burner_stops_when_its_parent_is_killed():
         time.sleep(0.1)
     os.kill(burner, 9)
     raise AssertionError("the burner outlived its killed parent by 10 s")
+
+
+def test_a_periodic_burner_switches_its_load_on_and_off():
+    """``period=S``: a load that changes during a measurement (on S seconds, off S seconds)."""
+    with Burner(1, period=0.4) as burner:
+        states = []
+        for _ in range(10):
+            states.append(burner.active.is_set())
+            time.sleep(0.2)
+        assert True in states and False in states
+    with pytest.raises(ValueError, match="period must be > 0"):
+        Burner(1, period=0)

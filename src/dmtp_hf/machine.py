@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import threading
 import time
 
 __all__ = ["Burner", "free_cores"]
@@ -53,40 +54,67 @@ def _cpu_times() -> tuple[int, int] | None:
     return sum(fields) - idle, sum(fields)
 
 
-def _burn(deadline: float, parent: int, started) -> None:
+def _burn(deadline: float, parent: int, started, active) -> None:
     started.set()
     x = 0
     # until the deadline, and never past its parent: a parent killed by a signal cannot stop its children itself
     while time.monotonic() < deadline and os.getppid() == parent:
+        if not active.wait(timeout=1.0):  # switched off: idle until switched on again
+            continue
         for _ in range(10_000):  # pure-Python arithmetic: one core busy, no memory traffic to speak of
             x = (x * 1103515245 + 12345) & 0x7FFFFFFF
 
 
 class Burner:
-    """``with Burner(cores):`` keeps ``cores`` processes spinning on the CPU for the block (0: nothing)."""
+    """``with Burner(cores):`` keeps ``cores`` processes spinning on the CPU for the block (0: nothing);
+    ``period=S``: on for S seconds, off for S seconds, in turn (a load that changes during a measurement)."""
 
-    def __init__(self, cores: int, max_seconds: float = 4 * 3600) -> None:
+    def __init__(self, cores: int, max_seconds: float = 4 * 3600, period: float | None = None) -> None:
         if cores < 0:
             raise ValueError(f"a burner needs a number of cores >= 0, got {cores}")
+        if period is not None and period <= 0:
+            raise ValueError(f"a burner's period must be > 0 seconds, got {period}")
         self.cores = cores
         self.max_seconds = max_seconds
+        self.period = period
         self.processes: list[multiprocessing.Process] = []
+        self.active = None  # set while the burner burns (a shared event its processes read)
+        self._switch: threading.Thread | None = None
+        self._stop = threading.Event()
 
     def __enter__(self) -> Burner:
         deadline = time.monotonic() + self.max_seconds
         context = multiprocessing.get_context("spawn")  # no copy of a loaded model, no inherited threads
         started = [context.Event() for _ in range(self.cores)]
+        self.active = context.Event()
+        self.active.set()
         self.processes = [
-            context.Process(target=_burn, args=(deadline, os.getpid(), event), daemon=True) for event in started
+            context.Process(target=_burn, args=(deadline, os.getpid(), event, self.active), daemon=True)
+            for event in started
         ]
         for process in self.processes:
             process.start()
         # a spawned child takes a moment to import: whatever measures the free cores next must see it burning
         for event in started:
             event.wait(timeout=30)
+        if self.period is not None and self.processes:
+            self._stop.clear()
+            self._switch = threading.Thread(target=self._alternate, daemon=True)
+            self._switch.start()
         return self
 
+    def _alternate(self) -> None:
+        while not self._stop.wait(self.period):
+            if self.active.is_set():
+                self.active.clear()
+            else:
+                self.active.set()
+
     def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._switch is not None:
+            self._switch.join(timeout=10)
+            self._switch = None
         for process in self.processes:
             process.terminate()
         for process in self.processes:

@@ -173,6 +173,12 @@ def add_subcommands(sub) -> None:
         "(stopped with the run; default %(default)s)",
     )
     bench.add_argument(
+        "--burner-period",
+        type=float,
+        metavar="SECONDS",
+        help="switch the burner on and off every SECONDS (a load that changes during the run; default: always on)",
+    )
+    bench.add_argument(
         "--threads",
         type=int,
         help="intra-op threads (default: the cores free when the run starts, less the burner's, at least 1)",
@@ -452,10 +458,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     out = Path(args.output_dir)
 
     def write(results: dict) -> None:  # after every batch size too: an interrupted run keeps what it measured
-        results["settings"].update(threads=threads, burner_cores=args.burner)
+        results["settings"].update(threads=threads, burner_cores=args.burner, burner_period=args.burner_period)
         atomic_write_json(out / "bench.json", {**results, "models": models}, indent=1, allow_nan=False)
 
-    with torch.no_grad(), Burner(args.burner):
+    with torch.no_grad(), Burner(args.burner, period=args.burner_period):
         results = run_benchmark(
             target,
             prompts,

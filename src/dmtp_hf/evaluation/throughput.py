@@ -393,6 +393,8 @@ def bench_table(results: dict[str, Any]):
     title = "dmtp bench: output tokens/s (× plain generate) per batch size, prefill included"
     title += f"; ± spread of {repeats} repeats" if repeats > 1 else ""
     title += f"; a CPU burner on {load} core{'s' if load != 1 else ''}" if load else ""
+    period = results["settings"].get("burner_period")
+    title += f", switched on and off every {period:g} s" if load and period else ""
     table = Table(title=title)
     table.add_column("method", no_wrap=True)
     for bs in batch_sizes:
