@@ -79,6 +79,9 @@ def main() -> None:
     answer({"ready": True})
     for line in sys.stdin:
         job = json.loads(line)
+        if job.get("report"):  # what the DMTP policy chose and estimates now (dmtp_vllm.report), no decoding
+            answer({"report": engine.collective_rpc("dmtp_policy_report")[0]})
+            continue
         prompts = [TokensPrompt(prompt_token_ids=p["prompt_token_ids"]) for p in job["prompts"]]
         params = [SamplingParams(temperature=0.0, max_tokens=p["max_tokens"]) for p in job["prompts"]]
         before = counters(engine)

@@ -6,7 +6,7 @@ the curve is flat until the batch stops being memory-bound; on a CPU it rises fr
 never a constant here: `StepCosts` keeps a running estimate per T seen, relative to a load that every observation
 moves (a machine whose load changes shifts the whole curve within a few steps, not only the T it happens to run).
 Between the T seen the curve is linear; past the widest one it keeps the slope of the last segment; it never
-decreases in T.
+decreases in T; a T not seen lately is left out while fresher ones describe the curve.
 
 NumPy and the standard library (the vLLM plugin imports it).
 """
@@ -15,10 +15,17 @@ from __future__ import annotations
 
 import numpy as np
 
+from .acceptance import isotonic
+
 __all__ = ["LEARNING_RATE", "StepCosts"]
 
 # How far one observation moves the load (every T's estimate) and its own T's estimate relative to the load.
 LEARNING_RATE = 0.3
+# A T not observed in this many observations is left out of the curve while two fresher ones remain: what a wide
+# step cost when wide steps stopped paying is no news of what it costs now (the load follows; its slope may not).
+STALE_AFTER = 128
+# Observations a T's point weighs at most in the monotone fit (recent ones move the point itself).
+MAX_WEIGHT = 16
 
 
 class StepCosts:
@@ -26,6 +33,8 @@ class StepCosts:
 
     def __init__(self) -> None:
         self.points: dict[int, float] = {}  # T -> seconds at load 1
+        self.seen: dict[int, int] = {}  # T -> the observation that last updated it
+        self.counts: dict[int, int] = {}  # T -> observations of it (what its point weighs in the monotone fit)
         self.load = 1.0  # observed / estimated seconds over recent steps of every T
         self.observations = 0
         self._curves: dict[int, np.ndarray] = {}  # max_tokens -> curve, until the next observation
@@ -34,6 +43,8 @@ class StepCosts:
         """A step over ``tokens`` tokens took ``seconds``: the load and that T's estimate move toward it."""
         self.observations += 1
         self._curves.clear()
+        self.seen[tokens] = self.observations
+        self.counts[tokens] = self.counts.get(tokens, 0) + 1
         previous = self.points.get(tokens)
         if previous is None:  # a new point: nothing to compare with but an extrapolation, no news of the load
             self.points[tokens] = seconds / self.load
@@ -44,6 +55,14 @@ class StepCosts:
     def known(self, tokens: int) -> bool:
         """Whether a step over ``tokens`` tokens has been observed."""
         return tokens in self.points
+
+    def fresh(self, tokens: int) -> bool:
+        """Whether a step over ``tokens`` tokens was observed within the last `STALE_AFTER` observations."""
+        return tokens in self.seen and self.observations - self.seen[tokens] < STALE_AFTER
+
+    def widest_fresh(self) -> int:
+        """The widest T observed lately (0: none)."""
+        return max((t for t in self.points if self.fresh(t)), default=0)
 
     def seconds(self, tokens: int) -> float:
         """The estimate for one T (0.0 before any observation)."""
@@ -61,8 +80,14 @@ class StepCosts:
         grid = np.arange(max_tokens + 1, dtype=np.float64)
         if not self.points:
             return np.zeros(max_tokens + 1)
-        xs = np.array(sorted(self.points), dtype=np.float64)
-        ys = self.load * np.maximum.accumulate(np.array([self.points[int(x)] for x in xs]))
+        anchor = min(self.points)  # the narrowest step (a plain one) anchors the curve, however old
+        fresh = [t for t in self.points if t == anchor or self.observations - self.seen[t] < STALE_AFTER]
+        xs = np.array(sorted(fresh if len(fresh) >= 2 else self.points), dtype=np.float64)
+        values = [self.points[int(x)] for x in xs]
+        weights = [min(self.counts.get(int(x), 1), MAX_WEIGHT) for x in xs]
+        # never decreasing in T, fitted by weight: one unlucky measurement of a rarely seen T (a step slowed by
+        # something else) is pooled with its well-measured neighbours instead of lifting every wider T
+        ys = self.load * np.array(isotonic([v * w for v, w in zip(values, weights, strict=True)], weights))
         # linear between the T seen, the last segment's slope past the widest, the first value before the first
         slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else 0.0
         out = np.interp(grid, xs, ys)

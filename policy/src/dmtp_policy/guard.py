@@ -39,14 +39,20 @@ class GuardRail:
     """Realised tokens per second of drafted rounds against plain steps over the last `GUARD_WINDOW` drafted
     rounds; ``backing_off`` says the policy should decode plainly (and draft only its probes)."""
 
-    def __init__(self, window: int = GUARD_WINDOW, margin: float = 0.0) -> None:
+    def __init__(self, window: int = GUARD_WINDOW, margin: float = 0.0, priced_per_round: bool = False) -> None:
         # drafting has lost when its rate falls below plain steps' x (1 - margin): a margin keeps the acceptance noise
         # of a window from stopping a draft that wins by little
         self.margin = margin
-        self.drafted: deque[tuple[int, float]] = deque(maxlen=window)  # (tokens, seconds) of recent drafted rounds
+        # each round against plain steps as priced when it ran (not when the window closes): an engine whose plain
+        # estimate follows the load step by step judges a window that straddles a change of load fairly
+        self.priced_per_round = priced_per_round
+        self.window_plain: float | None = None  # the plain rate the window closes with (priced_per_round off)
+        # (tokens, what plain steps would have committed in the round's time) of recent drafted rounds
+        self.drafted: deque[tuple[int, float]] = deque(maxlen=window)
         self.plain_seconds: dict[int, float] = {}  # batch size -> running mean of a measured plain round
         self.backing_off = False
         self.backoffs = 0  # times the guard stopped drafting
+        self.windows: deque[float] = deque(maxlen=64)  # recent judged windows: what they committed over plain steps'
         self.probe_loss = 0.0  # seconds the last losing probe cost beyond the plain steps for its tokens
         # the open round: its batch size, width and committed tokens (once learned) and the seconds of its stages
         self.batch_size: int | None = None
@@ -87,22 +93,37 @@ class GuardRail:
             self.plain_seconds[self.batch_size] = _mean(self.plain_seconds.get(self.batch_size), self.seconds)
             return
         plain = self.plain_rate(self.batch_size, plain_step_seconds) * (1 - self.margin)
+        plain_tokens = self.seconds * plain  # what plain steps would have committed in the round's time
+        if not self.priced_per_round:  # every round of the window against the plain rate it closes with
+            plain_tokens = self.seconds
+            self.window_plain = plain
         if self.backing_off:  # a probe: the probes since the back-off, together, must beat plain steps to end it
             self.probe_loss = max(self.seconds - self.tokens / plain, 0.0)
-            self.drafted.append((self.tokens, self.seconds))
-            tokens = sum(t for t, _ in self.drafted)
-            seconds = sum(s for _, s in self.drafted)
-            if len(self.drafted) >= PROBES_TO_RESUME and tokens / seconds >= plain:
+            self.drafted.append((self.tokens, plain_tokens))
+            if len(self.drafted) >= PROBES_TO_RESUME and _won(self.drafted, self.window_plain):
                 self.backing_off = False
             return
-        self.drafted.append((self.tokens, self.seconds))
+        self.drafted.append((self.tokens, plain_tokens))
         if len(self.drafted) == self.drafted.maxlen:  # judged once per window, not on every round of a sliding one
-            tokens = sum(t for t, _ in self.drafted)
-            seconds = sum(s for _, s in self.drafted)
+            won = _won(self.drafted, self.window_plain)
+            self.windows.append(_ratio(self.drafted, self.window_plain))
             self.drafted.clear()  # the next window, or (backing off) the probes
-            if tokens / seconds < plain:
+            if not won:
                 self.backing_off = True
                 self.backoffs += 1
+
+
+def _ratio(rounds, plain_rate: float | None = None) -> float:
+    """Tokens drafted rounds committed over what plain steps would have (see `_won`)."""
+    tokens = sum(t for t, _ in rounds)
+    plain = sum(p for _, p in rounds)
+    return tokens / max(plain if plain_rate is None else plain * plain_rate, 1e-12)
+
+
+def _won(rounds, plain_rate: float | None = None) -> bool:
+    """Whether drafted rounds committed at least what plain steps would have: ``rounds`` of ``(tokens, plain steps'
+    tokens in the round's time)``, or with ``plain_rate`` of ``(tokens, seconds)``."""
+    return _ratio(rounds, plain_rate) >= 1.0
 
 
 def _mean(previous: float | None, value: float) -> float:

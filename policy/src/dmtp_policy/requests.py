@@ -24,8 +24,9 @@ at the cost of a draft stage, never of a verify, and at most `EXPLORATION` of th
 its own probes (at doubling intervals) verify what the estimates choose.
 No clock is read here: the engine passes seconds, so tests drive it with injected costs.
 
-The first steps measure the curve: a plain step (T = B), then one that verifies every proposal; from then on the
-curve is interpolated between the T seen and every step keeps it current.
+The first steps of each batch-size bucket (1, 2, 3-4, 5-8, ...: the cost of T tokens depends on how many requests
+share them) measure its curve: a plain step (T = B), then one that verifies every proposal; from then on the curve is
+interpolated between the T seen and every step keeps it current.
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ LOOKUP_PRIOR = 0.6
 # text, unverified: at most EXPLORATION of the time, and never two within PROBE_INTERVAL steps.
 EXPLORATION = 0.02
 PROBE_INTERVAL = 2
+# Steps without drafting between two that verify one request's whole block, when no wide step was measured lately
+# (the curve's wide steps measured again): the first wait, doubling while drafting keeps not paying, up to the longest.
+FIRST_COST_PROBE_INTERVAL = 32
+MAX_COST_PROBE_INTERVAL = 256
 # Plain steps between two probes of the guard rail while it backs off (each verifies the estimates' plan): the first
 # wait, doubling while the probes lose, up to the longest.
 FIRST_GUARD_INTERVAL = 2
@@ -70,6 +75,11 @@ GUARD_STEPS = 24
 # (a few proposals more or fewer accepted) would stop drafts that win by little.
 GUARD_MARGIN = 0.05
 DRAFT, LOOKUP = 0, 1  # source indices
+
+
+def bucket(batch: int) -> int:
+    """The batch-size bucket whose costs a step of ``batch`` requests shares: 1, 2, 4 (3-4), 8 (5-8), ..."""
+    return 1 << max(batch - 1, 0).bit_length()
 
 
 @dataclass
@@ -121,15 +131,21 @@ class RequestPolicy:
         self.estimates = {DRAFT: AcceptanceEstimate(num_candidates, start, rate=ESTIMATE_RATE)}
         if lookup:
             self.estimates[LOOKUP] = AcceptanceEstimate(num_candidates, [LOOKUP_PRIOR], rate=ESTIMATE_RATE)
-        self.costs = StepCosts()
-        self.stage_seconds: dict[str, float] = {}  # drafter stage -> running mean of its seconds
+        # per batch-size bucket (1, 2, 3-4, 5-8, ...): what a step over T tokens costs depends on how many requests
+        # share it too (attention, sampling and bookkeeping per request), and so do the drafter's stages
+        self.bucket_costs: dict[int, StepCosts] = {}
+        self.bucket_stages: dict[int, dict[str, float]] = {}  # drafter stage -> running mean of its seconds
+        self.batch = 1  # the step's batch size (what `stage_timed` files its seconds under)
         self.spent = {"total": 0.0, "probes": 0.0}  # seconds of every step, and of the stages probes ran
-        self.guard = GuardRail(GUARD_STEPS, GUARD_MARGIN)
+        self.guard = GuardRail(GUARD_STEPS, GUARD_MARGIN, priced_per_round=True)
         self.pending: dict[str, tuple[int, np.ndarray | None]] = {}  # request -> (source, confidences)
         self.planned: dict[str, int] = {}  # request -> the width planned for it last
         self.t1_confidences: deque[float] = deque(maxlen=T1_HISTORY)  # what T1's confidence was, lately
         self._asked: dict[tuple[int, int], tuple[bool, int]] = {}  # (batch, rows with lookup) -> (pays, at step)
         self.since_probe = 0  # steps since the draft last ran
+        self.cost_probe = False  # this probe's step verifies one request's whole block (a wide step, measured)
+        self.cost_probe_interval = FIRST_COST_PROBE_INTERVAL  # steps without drafting between two of them
+        self.since_cost_probe = 0
         self.since_block = 0  # steps that drafted T1 since the block last ran
         self.block_probe = False  # this step's block runs for the ledger only
         self.probing = False  # this step runs the draft for the ledger, whatever the estimates
@@ -196,21 +212,23 @@ class RequestPolicy:
         planned_tokens = None if None in planned else batch + sum(planned)
         self.spent["total"] += seconds
         if tokens == planned_tokens:
-            self.costs.observe(tokens, seconds)
+            self.costs(batch).observe(tokens, seconds)
             # the guard judges drafted steps that followed the estimates (not the first steps that measure) against
             # plain steps as the curve prices them now (it follows the load step by step; a plain step measured
             # long ago would not)
             if self.judged and tokens > batch:
                 self.guard.stage("step", seconds)
                 self.guard.committed(tokens - batch, committed)
-        self.guard.begin_round(batch, self.costs.seconds)
+        self.guard.begin_round(batch, lambda size: self.costs(size).seconds(size))
 
     def stage_timed(self, stage: str, seconds: float) -> None:
         """A drafter stage of this step took ``seconds``: ``"t1"`` (the head's T1 and its confidence) or
         ``"block"`` (the DFlash block); a probe's stages are what probing costs (`EXPLORATION`)."""
         self.counters.blocks += stage == "block"
-        previous = self.stage_seconds.get(stage)
-        self.stage_seconds[stage] = seconds if previous is None else previous + STAGE_RATE * (seconds - previous)
+        self.guard.stage(stage, seconds)  # the step these stages drafted for pays them: the guard's open round
+        stages = self.bucket_stages.setdefault(bucket(self.batch), {})
+        previous = stages.get(stage)
+        stages[stage] = seconds if previous is None else previous + STAGE_RATE * (seconds - previous)
         self.spent["total"] += seconds
         if self.probing or (stage == "block" and self.block_probe):
             self.spent["probes"] += seconds
@@ -221,8 +239,8 @@ class RequestPolicy:
         """Before T1: is the draft worth asking this step (see the module docstring)? Sets whether the step may
         verify anything at all (``plain``) and whether it is a probe."""
         lookup_counts = as_array(lookup_counts)
-        batch = lookup_counts.shape[0]
-        self.probing = self.plain = self.guard_probe = False
+        batch = self.batch = lookup_counts.shape[0]
+        self.probing = self.plain = self.guard_probe = self.cost_probe = False
         exploring = self._exploring(batch)
         if exploring is not None:
             self.plain = not exploring
@@ -240,19 +258,32 @@ class RequestPolicy:
             self.plain = True
         elif draft_pays:
             self.guard_interval = FIRST_GUARD_INTERVAL
-            return True
+            self.cost_probe_interval = FIRST_COST_PROBE_INTERVAL
+            if self.costs(batch).fresh(batch):
+                return True
+            # a plain step when none ran lately, however well drafting does: what a plain step costs at this batch
+            # size is what every choice and the guard weigh drafting against, and only plain steps measure it
+            self.plain = True
+            return False
         self.since_probe += 1
+        self.since_cost_probe += 1
         if self.since_probe < PROBE_INTERVAL or not self._may_probe():
             return False
         self.probing, self.since_probe = True, 0  # T1 runs for the ledger, unverified unless it pays
         self.counters.probes += 1
+        stale = self.costs(batch).widest_fresh() <= batch + 1  # no wide step measured lately
+        if not self.plain and stale and self.since_cost_probe >= self.cost_probe_interval:
+            # ... and once in a while one request verifies everything drafted: the curve's wide steps are measured
+            # again (a cost that fell while nothing wide ran would otherwise never be seen)
+            self.cost_probe, self.since_cost_probe = True, 0
+            self.cost_probe_interval = min(2 * self.cost_probe_interval, MAX_COST_PROBE_INTERVAL)
         return True
 
     def wants_block(self, t1_conf: Any, lookup_counts: Any) -> bool:
         """With T1's confidence ``[B]`` known: is the block's forward worth running? (When it is not, it runs anyway
         now and then for the ledger, within the probes' share of the time: its positions keep being judged.)"""
         self.block_probe = False
-        if self._exploring(t1_conf.shape[0]) is not None:
+        if self._exploring(t1_conf.shape[0]) is not None or self.cost_probe:
             return True
         t1_conf, lookup_counts = as_array(t1_conf)[:, None], as_array(lookup_counts)
         full = self._gains(t1_conf.shape[0], t1_conf, lookup_counts, drafted=None)
@@ -272,14 +303,14 @@ class RequestPolicy:
         request's prompt-lookup proposals ``[B]`` (tensors or arrays); remembered for `learn`."""
         lookup_counts = as_array(lookup_counts)
         draft_conf = None if draft_conf is None else as_array(draft_conf)
-        batch = lookup_counts.shape[0]
+        batch = self.batch = lookup_counts.shape[0]
         if draft_conf is not None:
             self.t1_confidences.extend(draft_conf[:, 0].tolist())
         rows = np.arange(batch)
         drafted = 0 if draft_conf is None else draft_conf.shape[1]
         all_gains = self._gains(batch, draft_conf, lookup_counts, drafted=drafted)
         exploring = self._exploring(batch)
-        if self.plain or exploring is False:
+        if self.plain or exploring is False:  # (self.plain: the guard backs off, or a plain step that measures)
             source, widths = np.full(batch, DRAFT), np.zeros(batch, dtype=np.int64)
         elif exploring:  # every proposal: the widest step of this batch
             source = np.full(batch, DRAFT if drafted else LOOKUP)
@@ -288,6 +319,8 @@ class RequestPolicy:
             curve = self._curve(batch)
             source = choose_sources(all_gains, curve)
             widths = allocate(all_gains[source, rows], curve).widths
+            if self.cost_probe and drafted and not widths.any():
+                source[0], widths[0] = DRAFT, drafted  # one request verifies all it was proposed
         self.judged = exploring is None and (self.guard_probe or not self.guard.backing_off)
         plan = StepPlan(source.astype(np.int64), widths.astype(np.int64))
         self.counters.add(plan)
@@ -304,15 +337,20 @@ class RequestPolicy:
 
     # -- the estimates --------------------------------------------------------------------------------------------
 
+    def costs(self, batch: int) -> StepCosts:
+        """The step cost curve of ``batch``'s bucket."""
+        return self.bucket_costs.setdefault(bucket(batch), StepCosts())
+
     @property
     def _block(self) -> float:
-        """Seconds of the draft's block (0 before it ran: optimistic, so it runs and is measured)."""
-        return self.stage_seconds.get("block", 0.0)
+        """Seconds of the draft's block at this batch size (0 before it ran: optimistic, so it runs and is
+        measured)."""
+        return self.bucket_stages.get(bucket(self.batch), {}).get("block", 0.0)
 
     @property
     def _t1(self) -> float:
         """Seconds of the head's T1 (its LM head over the batch)."""
-        return self.stage_seconds.get("t1", 0.0)
+        return self.bucket_stages.get(bucket(self.batch), {}).get("t1", 0.0)
 
     def _may_probe(self) -> bool:
         """Probes (the draft run for the ledger alone) may cost at most `EXPLORATION` of the time."""
@@ -346,14 +384,15 @@ class RequestPolicy:
     def _exploring(self, batch: int) -> bool | None:
         """The first steps measure the curve: ``False`` a plain step (nothing seen yet), ``True`` a step verifying
         every proposal (nothing wider than this batch's plain step seen); ``None`` once both are known."""
-        if not self.costs.points:
+        points = self.costs(batch).points
+        if not points:
             return False
-        if max(self.costs.points) <= batch:
+        if max(points) <= batch:
             return True
         return None
 
     def _curve(self, batch: int) -> np.ndarray:
-        return self.costs.curve(batch * (self.num_candidates + 1))
+        return self.costs(batch).curve(batch * (self.num_candidates + 1))
 
     def _best(self, all_gains: np.ndarray, drafted_seconds: float) -> Plan:
         """The plan over the best source per proposal (an optimistic bound of the step's rate)."""

@@ -32,6 +32,7 @@ Draft tokens are greedy (vLLM's default ``draft_sample_method``); the probabilis
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import Any
@@ -100,6 +101,8 @@ class DMTPProposer(DFlashProposer):
         self._first_candidate: tuple[torch.Tensor, torch.Tensor] | None = None  # (T1 [B], g [B, H]) of this step
         self._slot_confidence: torch.Tensor | None = None  # [B * K] of the block's last pass
         self._last_end: float | None = None  # when the previous propose returned
+        # seconds per part of the round, summed (DMTP_VLLM_PROFILE=1; in the policy report)
+        self.profile: dict[str, float] | None = {} if os.environ.get("DMTP_VLLM_PROFILE") == "1" else None
 
     def load_model(self, target_model: torch.nn.Module) -> None:
         """vLLM's draft loading (embedding shared with the target), plus the target modules the head reads."""
@@ -135,12 +138,17 @@ class DMTPProposer(DFlashProposer):
         # 0. what the last step showed (nothing to learn when every proposal is verified)
         step = None
         if self.policy is not None:
-            step = StepVerdict(self.runner.input_batch, cad, num_rejected_tokens_gpu, target_token_ids, next_token_ids)
-            self.policy.learn(requests, step.verified, step.accepted)
-            self._judge(requests, step)
+            with self._section("verdict"):
+                step = StepVerdict(
+                    self.runner.input_batch, cad, num_rejected_tokens_gpu, target_token_ids, next_token_ids
+                )
+                self.policy.learn(requests, step.verified, step.accepted)
+                self._judge(requests, step)
         # 1. state: the head's layer over the new pairs (g of every request), prompt lookup
-        g = self._mtp_hidden(last_layer, *pairs)
-        lookup, lookup_counts = self._prompt_lookup(step, len(requests), num_speculative_tokens)
+        with self._section("mtp_layer"):
+            g = self._mtp_hidden(last_layer, *pairs)
+        with self._section("lookup"):
+            lookup, lookup_counts = self._prompt_lookup(step, len(requests), num_speculative_tokens)
         if self.policy is not None and self._last_end is not None:
             seconds = time.perf_counter() - self._last_end
             self.policy.step_timed(requests, target_token_ids.shape[0], seconds, step.committed)
@@ -150,18 +158,26 @@ class DMTPProposer(DFlashProposer):
             self._store_context(context, num_rejected_tokens_gpu, *pairs)
             self._last_end = time.perf_counter()
             return [[] for _ in requests]
-        if self.policy is None or self.policy.drafts(lookup_counts):
+        with self._section("policy"):
+            asked = self.policy is None or self.policy.drafts(lookup_counts)
+        if asked:
             with self._stage("t1"):
                 t1, t1_confidence = self.model.mtp.predict(g, self._target_lm_head)
             proposals, confidence = t1[:, None], t1_confidence[:, None]
-        if proposals is not None and (self.policy is None or self.policy.wants_block(t1_confidence, lookup_counts)):
+        with self._section("policy"):
+            block = proposals is not None and (
+                self.policy is None or self.policy.wants_block(t1_confidence, lookup_counts)
+            )
+        if block:
             with self._stage("block"):
-                block = (num_speculative_tokens, context, sampling_metadata, num_rejected_tokens_gpu)
-                proposals, confidence = self._block(t1, t1_confidence, g, *block, *pairs)
+                inputs = (num_speculative_tokens, context, sampling_metadata, num_rejected_tokens_gpu)
+                proposals, confidence = self._block(t1, t1_confidence, g, *inputs, *pairs)
         else:
-            self._store_context(context, num_rejected_tokens_gpu, *pairs)
+            with self._section("context"):
+                self._store_context(context, num_rejected_tokens_gpu, *pairs)
         # 4. the plan: per request, which proposals and how many
-        out = self._plan(requests, step, proposals, confidence, lookup, lookup_counts)
+        with self._section("plan"):
+            out = self._plan(requests, step, proposals, confidence, lookup, lookup_counts)
         self._last_end = time.perf_counter()
         return out
 
@@ -320,7 +336,12 @@ class DMTPProposer(DFlashProposer):
         self.policy.learn_judged(judged)
 
     def _stage(self, name: str):
-        return _Timed(self.policy, name)
+        """A drafter stage, timed for the policy (and for the profile)."""
+        return _Timed(self.policy, name, self.profile)
+
+    def _section(self, name: str):
+        """A part of the round, timed only when profiling (``DMTP_VLLM_PROFILE=1``)."""
+        return _Timed(None, name, self.profile) if self.profile is not None else contextlib.nullcontext()
 
     # -- vLLM's hooks ----------------------------------------------------------------------------------------------
 
@@ -352,17 +373,20 @@ class DMTPProposer(DFlashProposer):
 
 
 class _Timed:
-    """Times a drafter stage for the policy (nothing without one)."""
+    """Times a part of the round for the policy (a drafter stage) and the profile (each where given)."""
 
-    def __init__(self, policy: RequestPolicy | None, name: str) -> None:
-        self.policy, self.name = policy, name
+    def __init__(self, policy: RequestPolicy | None, name: str, profile: dict[str, float] | None = None) -> None:
+        self.policy, self.name, self.profile = policy, name, profile
 
     def __enter__(self) -> None:
         self.start = time.perf_counter()
 
     def __exit__(self, *exc: Any) -> None:
+        seconds = time.perf_counter() - self.start
         if self.policy is not None and exc[0] is None:
-            self.policy.stage_timed(self.name, time.perf_counter() - self.start)
+            self.policy.stage_timed(self.name, seconds)
+        if self.profile is not None:
+            self.profile[self.name] = self.profile.get(self.name, 0.0) + seconds
 
 
 class StepVerdict:

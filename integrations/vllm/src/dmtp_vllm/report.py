@@ -21,7 +21,13 @@ def policy_report(worker: Any) -> dict[str, Any] | None:
         "counters": asdict(policy.counters),
         "draft_acceptance": list(policy.draft.prior),
         "lookup_acceptance": None if policy.lookup is None else list(policy.lookup.prior),
-        "step_seconds": {str(t): s * policy.costs.load for t, s in sorted(policy.costs.points.items())},
-        "stage_seconds": dict(policy.stage_seconds),
+        "step_seconds": {  # per batch-size bucket: tokens verified -> seconds
+            str(size): {str(t): s * costs.load for t, s in sorted(costs.points.items())}
+            for size, costs in sorted(policy.bucket_costs.items())
+        },
+        "stage_seconds": {str(size): dict(stages) for size, stages in sorted(policy.bucket_stages.items())},
         "guard_backoffs": policy.guard.backoffs,
+        "guard_windows": list(policy.guard.windows)[-16:],  # drafted windows: committed over plain steps' tokens
+        "spent": dict(policy.spent),  # seconds of every step, and of the stages cost probes ran
+        "profile": drafter.profile,  # seconds per part of the round, summed (DMTP_VLLM_PROFILE=1), else None
     }
