@@ -8,6 +8,7 @@
   block or prompt lookup) that maximise expected tokens per second.
 - `lookup`: prompt-lookup proposals, found as vLLM's n-gram proposer finds them.
 - `guard`: the guard rail: what drafted rounds really committed per second, against plain steps.
+- `race`: windows of free choice against windows of plain steps, by the clock (the engine's backstop).
 - `requests`: the per-request policy of an engine step (vLLM), put together from the above.
 
 Pure torch and the standard library (no Transformers): the vLLM plugin imports it from vLLM's own environment.
@@ -20,6 +21,7 @@ from .costs import StepCosts
 from .guard import GUARD_WINDOW, GuardRail
 from .lookup import prompt_lookup
 from .planner import Plan, allocate, best_uniform_width, choose_sources
+from .race import PlainRace
 from .requests import RequestPolicy, StepPlan
 
 __all__ = [
@@ -28,6 +30,7 @@ __all__ = [
     "Calibration",
     "GuardRail",
     "Plan",
+    "PlainRace",
     "RequestPolicy",
     "StepCosts",
     "StepPlan",

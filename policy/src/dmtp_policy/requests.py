@@ -15,7 +15,10 @@ What teaches it: `learn` (the verify's accepted count per request, for the propo
 (the drafted proposals nobody verified, judged later by the committed text: `ledger.ProposalLedger`, so the
 estimates are not biased by what the policy chose to verify), `step_timed` (what the step cost: the curve, and the
 guard rail, `guard.GuardRail`, which compares what drafted steps really committed per second with plain steps and
-backs off to plain steps when drafting lost) and `stage_timed` (the drafter stages T1 and block).
+backs off to plain steps when drafting lost) and `stage_timed` (the drafter stages T1 and block). Behind both, the
+race (`race.PlainRace`) compares by the clock what windows of the policy's free choice committed per second with
+short windows of plain steps run next to them, and decodes plainly while drafting loses: estimates and guard price
+steps, the race measures them.
 
 Probes: when the draft does not pay (or the guard backs off), the draft's T1 still runs now and then (and the block,
 when T1 runs but the block does not pay), its proposals judged by the text through the ledger, unverified: the
@@ -42,6 +45,7 @@ from .costs import StepCosts
 from .guard import GuardRail
 from .ledger import Judged
 from .planner import Plan, allocate, as_array, choose_sources
+from .race import PlainRace
 
 __all__ = ["DRAFT", "LOOKUP", "LOOKUP_PRIOR", "PolicyCounters", "RequestPolicy", "StepPlan"]
 
@@ -100,6 +104,7 @@ class PolicyCounters:
 
     steps: int = 0
     plain_steps: int = 0  # steps that verified nothing
+    race_plain_steps: int = 0  # ... of them, forced by the race (`race.PlainRace`): plain windows and back-offs
     rows: int = 0
     lookup_rows: int = 0  # rows that verified prompt lookup
     verified: int = 0  # proposals verified
@@ -138,6 +143,10 @@ class RequestPolicy:
         self.batch = 1  # the step's batch size (what `stage_timed` files its seconds under)
         self.spent = {"total": 0.0, "probes": 0.0}  # seconds of every step, and of the stages probes ran
         self.guard = GuardRail(GUARD_STEPS, GUARD_MARGIN, priced_per_round=True)
+        # by the clock: free windows against plain windows next to them (what neither estimates nor guard price)
+        self.race = PlainRace()
+        self.race_plain = False  # the race forced this step plain
+        self.stage_seconds = 0.0  # drafter stages of the step being planned (its wall time besides the step's own)
         self.pending: dict[str, tuple[int, np.ndarray | None]] = {}  # request -> (source, confidences)
         self.planned: dict[str, int] = {}  # request -> the width planned for it last
         self.t1_confidences: deque[float] = deque(maxlen=T1_HISTORY)  # what T1's confidence was, lately
@@ -202,15 +211,22 @@ class RequestPolicy:
                 first=first,
             )
 
-    def step_timed(self, request_ids: list[str], tokens: int, seconds: float, committed: int) -> None:
+    def step_timed(
+        self, request_ids: list[str], tokens: int, seconds: float, committed: int, cycle_seconds: float | None = None
+    ) -> None:
         """The last step ran ``tokens`` tokens in all for the requests ``request_ids`` and committed ``committed``,
         in ``seconds`` (everything between two steps but the drafter stages of `stage_timed`). Only a step that
         verified exactly what was planned for each of its requests is a verify of T tokens: one with a prefill or a
-        request that joined teaches the curve nothing."""
+        request that joined teaches the curve nothing. ``cycle_seconds``: the engine's whole cycle since the last
+        call, what the race (`race.PlainRace`) compares (default: ``seconds`` and the stages)."""
         batch = len(request_ids)
         planned = [self.planned.get(request) for request in request_ids]
         planned_tokens = None if None in planned else batch + sum(planned)
         self.spent["total"] += seconds
+        if planned_tokens is not None:  # a step with a request that joined (its prefill) races nothing
+            cycle = seconds + self.stage_seconds if cycle_seconds is None else cycle_seconds
+            self.race.step(bucket(batch), batch, self.race_plain, committed, cycle)
+        self.stage_seconds = 0.0
         if tokens == planned_tokens:
             self.costs(batch).observe(tokens, seconds)
             # the guard judges drafted steps that followed the estimates (not the first steps that measure) against
@@ -225,6 +241,7 @@ class RequestPolicy:
         """A drafter stage of this step took ``seconds``: ``"t1"`` (the head's T1 and its confidence) or
         ``"block"`` (the DFlash block); a probe's stages are what probing costs (`EXPLORATION`)."""
         self.counters.blocks += stage == "block"
+        self.stage_seconds += seconds
         self.guard.stage(stage, seconds)  # the step these stages drafted for pays them: the guard's open round
         stages = self.bucket_stages.setdefault(bucket(self.batch), {})
         previous = stages.get(stage)
@@ -240,11 +257,15 @@ class RequestPolicy:
         verify anything at all (``plain``) and whether it is a probe."""
         lookup_counts = as_array(lookup_counts)
         batch = self.batch = lookup_counts.shape[0]
-        self.probing = self.plain = self.guard_probe = self.cost_probe = False
+        self.probing = self.plain = self.guard_probe = self.cost_probe = self.race_plain = False
         exploring = self._exploring(batch)
         if exploring is not None:
             self.plain = not exploring
             return exploring
+        if self.race.plain_now(bucket(batch)):  # a plain window measuring, or drafting lost by the clock
+            self.plain = self.race_plain = True
+            self.counters.race_plain_steps += 1
+            return False
         draft_pays = self._asking_pays(batch, lookup_counts)
         if self.guard.backing_off:
             # plain steps; every `guard_interval` of them (doubling while probes lose) one verifies the estimates'

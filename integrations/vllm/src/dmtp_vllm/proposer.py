@@ -101,6 +101,7 @@ class DMTPProposer(DFlashProposer):
         self._first_candidate: tuple[torch.Tensor, torch.Tensor] | None = None  # (T1 [B], g [B, H]) of this step
         self._slot_confidence: torch.Tensor | None = None  # [B * K] of the block's last pass
         self._last_end: float | None = None  # when the previous propose returned
+        self._last_timed = 0.0  # when the previous step was timed
         # seconds per part of the round, summed (DMTP_VLLM_PROFILE=1; in the policy report)
         self.profile: dict[str, float] | None = {} if os.environ.get("DMTP_VLLM_PROFILE") == "1" else None
 
@@ -149,9 +150,11 @@ class DMTPProposer(DFlashProposer):
             g = self._mtp_hidden(last_layer, *pairs)
         with self._section("lookup"):
             lookup, lookup_counts = self._prompt_lookup(step, len(requests), num_speculative_tokens)
+        now = time.perf_counter()
         if self.policy is not None and self._last_end is not None:
-            seconds = time.perf_counter() - self._last_end
-            self.policy.step_timed(requests, target_token_ids.shape[0], seconds, step.committed)
+            seconds, cycle = now - self._last_end, now - self._last_timed
+            self.policy.step_timed(requests, target_token_ids.shape[0], seconds, step.committed, cycle_seconds=cycle)
+        self._last_timed = now  # the whole engine cycle runs from here to here next step (the race's clock)
         # 2. T1 and 3. the block, when they pay (else only the block's context K/V)
         proposals = confidence = None
         if self.options.verify == "none":

@@ -27,6 +27,8 @@ def policy_report(worker: Any) -> dict[str, Any] | None:
         },
         "stage_seconds": {str(size): dict(stages) for size, stages in sorted(policy.bucket_stages.items())},
         "guard_backoffs": policy.guard.backoffs,
+        "race_backoffs": policy.race.backoffs,  # free windows against plain windows by the clock (race.PlainRace)
+        "race_ratios": [round(r, 3) for r in policy.race.ratios],
         "guard_windows": list(policy.guard.windows)[-16:],  # drafted windows: committed over plain steps' tokens
         "spent": dict(policy.spent),  # seconds of every step, and of the stages cost probes ran
         "profile": drafter.profile,  # seconds per part of the round, summed (DMTP_VLLM_PROFILE=1), else None
