@@ -18,6 +18,7 @@ from conftest import draft_for
 from test_batching import BatchOracle, _batch, _prompts
 from test_engine import MAX_NEW, OracleMix, _tiny_vocab_drafter, greedy_reference, strategies
 from test_lossless import CUT_PROCESSORS, chi_square_p, exact_distribution
+from transformers import StaticCache
 
 from dmtp_hf import DMTPDraftModel
 from dmtp_hf.assistant import SpecStats, speculative_decode
@@ -66,6 +67,38 @@ def test_greedy_identical_at_every_width(targets, family, fast_path):
                 assert sum(stats.verify_widths.values()) >= stats.num_rounds - 1, stats.verify_widths
             if isinstance(verify_length, RandomWidths):
                 assert len(stats.verify_widths) >= min(3, drafter.num_candidates + 1), (name, stats.verify_widths)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "deepseek_v3"])
+def test_greedy_identical_at_every_width_with_a_static_cache(targets, family):
+    """A static cache (batch size 1) at every width, 0 included: a width-0 round is a 1-token verify, for which
+    Transformers builds no mask when the cache does not say it is compileable (a hybrid target's, while its
+    linear-attention layers record their past), and the token must still not see the cache's unwritten slots.
+    A left-padded row and ``generate(cache_implementation="static")`` take the same path."""
+    target = targets[family]
+    prompt = torch.tensor([[5, 17, 42, 9, 77, 3, 64]])
+    reference = greedy_reference(target, prompt, max_new_tokens=16, cache_implementation="static")
+    for name, drafter in strategies(target).items():
+        if name == "mtp1":  # the MTP head's path is mtp4's, one step shorter
+            continue
+        widths = [0, RandomWidths(drafter.num_candidates, seed=len(name))] + (["auto"] if name == "dmtp" else [])
+        for verify_length in widths:
+            out, _ = speculative_decode(
+                target,
+                prompt,
+                OracleMix(drafter, reference, seed=3),
+                max_length=reference.shape[1],
+                cache=StaticCache(config=target.config, max_cache_len=64),
+                verify_length=verify_length,
+            )
+            assert torch.equal(out, reference), (family, name, verify_length)
+    padded, mask = torch.cat([torch.zeros(1, 2, dtype=torch.long), prompt], dim=1), torch.tensor([[0, 0] + [1] * 7])
+    static = dict(attention_mask=mask, do_sample=False, max_new_tokens=16, cache_implementation="static")
+    plain = target.generate(padded, **static)
+    draft = draft_for(target, anchor_layout="dflash")
+    for verify_length in (0, None):
+        ours = target.generate(padded, assistant_model=draft, dmtp_verify_length=verify_length, **static)
+        assert torch.equal(ours, plain), (family, verify_length)
 
 
 def test_dmtp_skips_its_dflash_forward_when_t1_alone_is_the_bet(targets):

@@ -68,7 +68,7 @@ def static_capacity(cache: Cache) -> int | None:
 class TargetCacheState:
     """Bookkeeping of the target cache for ragged speculative decoding (see the module docstring).
 
-    ``valid [B, T]`` marks committed cache slots; :meth:`attention_mask` builds the 4D mask of a forward over ``q``
+    ``valid [B, T]`` marks committed cache slots; :meth:`attention_mask` builds the mask of a forward over ``q``
     new tokens; :meth:`commit` keeps each row's first ``kept[b]`` verified entries and the matching linear states.
     Call :meth:`close` when done (it removes the hooks of the linear-attention rollback).
     """
@@ -88,6 +88,7 @@ class TargetCacheState:
         self._valid = valid.bool()  # [B, capacity]: slots [0, length) mirror the cache; grown by doubling
         self.length = valid.shape[1]
         self.all_valid = bool(self._valid.all())  # host flag: no row has a hidden slot (no mask needed)
+        self.static = static_capacity(cache) is not None  # fixed-size KV: slots past the history hold stale entries
         self.linear_layers = [layer for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
         self.attention_layers = [
             layer
@@ -132,7 +133,10 @@ class TargetCacheState:
             layer.record_past = recorded
 
     def attention_mask(self, q_len: int, dtype: torch.dtype) -> torch.Tensor | None:
-        """4D mask ``[B, 1, q, T + q]`` for ``q`` new tokens after the cache, or ``None`` when plain causal is right."""
+        """The mask of a forward over ``q`` new tokens after the cache, or ``None`` when plain causal is right: a 4D
+        mask ``[B, 1, q, T + q]`` for a growing cache, a 2D one ``[B, T + q]`` for a static cache (below)."""
+        if self.static:
+            return self._static_attention_mask(q_len)
         if self.all_valid:
             return None
         batch, cached = self.valid.shape
@@ -141,6 +145,22 @@ class TargetCacheState:
         new = torch.ones(q_len, q_len, dtype=torch.bool, device=device).tril().expand(batch, q_len, q_len)
         visible = torch.cat([history, new], dim=-1)[:, None]
         return attention_mask_for_implementation(visible, self.target.config._attn_implementation, dtype)
+
+    def _static_attention_mask(self, q_len: int) -> torch.Tensor | None:
+        """The 2D mask ``[B, T + q]`` of a forward over a static cache, as plain ``generate`` passes it: Transformers
+        pads it to the cache's slots, which hides the slots past the history (zeros, or the K/V of rejected
+        candidates a crop left behind) and the prompt's padding.
+
+        Transformers builds that mask itself only for a cache that says it is compileable: for a 1-token query on
+        one that is not, it skips the mask and lets the token attend to every slot. A cache whose linear-attention
+        layers record their past (the ``rebuild`` rollback) says it is not, so a width-0 verify would read the stale
+        slots; and a 4D mask of the history's size does not fit the static keys. ``None`` where Transformers' own
+        causal mask is already right (every slot valid, and it does not skip)."""
+        skips_mask = q_len == 1 and not self.cache.is_compileable
+        if self.all_valid and not skips_mask:
+            return None
+        new = torch.ones(self.valid.shape[0], q_len, dtype=torch.long, device=self.valid.device)
+        return torch.cat([self.valid.long(), new], dim=1)
 
     def after_prefill(self) -> None:
         """Shrink recorded conv histories to the kernel window (left zero-padded for short prompts)."""
