@@ -52,6 +52,9 @@ def dmtp_layout(path: Path, **dmtp_config) -> None:
     rewrite_config(path, dmtp_config={"anchor_layout": "dflash", "fusion": "none", "num_candidates": 7, **dmtp_config})
 
 
+DFLASH2 = {"conv_kernel_size": 2, "conv_group_size": 8, "selector_rank": 8, "selector_top_k": 4}
+
+
 def dflash_config(**changes) -> dict:
     return {"mask_token_id": VOCAB - 1, "target_layer_ids": [0, 2], **changes}
 
@@ -163,6 +166,150 @@ CASES = [
         lambda p: dmtp_layout(p, mtp_hidden_input="middle"),
         r"config\.json: Unknown mtp_hidden_input 'middle'",
         id="mtp-hidden-input-unknown",
+    ),
+    # 3b. every other field against its meaning (issue #62, item 4): each of these loaded, or failed far from the file
+    *[
+        pytest.param(
+            lambda p, block=block: rewrite_config(p, block_size=block),
+            rf"config\.json: block_size must be an integer >= 2, got {re.escape(repr(block))}\.",
+            id=f"zlab-block-size-{block}",
+        )
+        for block in (0, 1, -3, 2.5, True, "16")
+    ],
+    pytest.param(
+        lambda p: rewrite_config(p, block_size=None, dflash_config=dflash_config(block_size=0)),
+        r"config\.json: block_size must be an integer >= 2, got 0\.",
+        id="zlab-nested-block-size-0",
+    ),
+    pytest.param(
+        lambda p: rewrite_config(p, block_size=10**6),  # the first generate tried to allocate 1 TB
+        r"config\.json: block_size must be at most 256 \(min\(256, max_position_embeddings\).*got 1000000\.",
+        id="zlab-block-size-huge",
+    ),
+    pytest.param(
+        lambda p: rewrite_config(p, block_size=64, max_position_embeddings=32),
+        r"config\.json: block_size must be at most 32 .*got 64\.",
+        id="block-size-beyond-positions",
+    ),
+    pytest.param(
+        lambda p: dmtp_layout(p, num_candidates=10**6),
+        r"config\.json: num_candidates must be at most 255 \(a block holds at most 256 slots\), got 1000000\.",
+        id="num-candidates-huge",
+    ),
+    pytest.param(
+        lambda p: rewrite_config(p, rope_theta=-1),
+        r"config\.json: rope_theta must be a finite number in \(0, inf\), got -1\.",
+        id="rope-theta-negative",
+    ),
+    pytest.param(
+        lambda p: rewrite_config(p, rope_theta=None, rope_parameters={"rope_type": "banana", "rope_theta": 1e4}),
+        r"config\.json: Unknown rope_type 'banana'; expected one of \['default', ",
+        id="rope-type-unknown",
+    ),
+    *[
+        pytest.param(
+            lambda p, window=window: rewrite_config(p, sliding_window=window, use_sliding_window=window == 0),
+            rf"config\.json: sliding_window must be a positive integer, got {window}\.",
+            id=f"sliding-window-{window}",
+        )
+        for window in (0, -5)
+    ],
+    pytest.param(
+        lambda p: rewrite_config(p, draft_vocab_size=10**6),
+        r"config\.json: draft_vocab_size must be at most 96 \(a subset of the vocabulary: vocab_size\), got 1000000",
+        id="draft-vocab-larger-than-vocab",
+    ),
+    pytest.param(
+        lambda p: rewrite_config(p, draft_vocab_size=True),
+        r"config\.json: draft_vocab_size must be a positive integer, got True\.",
+        id="draft-vocab-bool",
+    ),
+    pytest.param(
+        lambda p: rewrite_config(p, is_causal="yes"),
+        r"config\.json: is_causal must be true, false or null \(unset\), got 'yes'\.",
+        id="is-causal-string",
+    ),
+    pytest.param(
+        lambda p: rewrite_config(p, backbone="banana"),
+        r"config\.json: Unknown backbone 'banana'; expected one of \('dflash', 'dflash2'\)",
+        id="backbone-unknown",
+    ),
+    pytest.param(
+        lambda p: rewrite_config(p, hidden_act="banana"),  # was `KeyError: 'banana'` while building the MLP
+        r"config\.json: Unknown hidden_act 'banana'; expected one of \[.*'silu'.*\] \(the activations of transf",
+        id="activation-unknown",
+    ),
+    pytest.param(
+        lambda p: rewrite_config(p, num_key_value_heads=0),  # was a ZeroDivisionError
+        r"config\.json: num_key_value_heads must be a positive integer, got 0\.",
+        id="kv-heads-zero",
+    ),
+    pytest.param(
+        lambda p: rewrite_config(p, num_key_value_heads=3),
+        r"config\.json: num_key_value_heads=3 does not divide num_attention_heads=4",
+        id="kv-heads-not-dividing",
+    ),
+    pytest.param(
+        lambda p: rewrite_config(p, head_dim=0),  # loaded (read as unset)
+        r"config\.json: head_dim must be a positive integer, got 0\.",
+        id="head-dim-zero",
+    ),
+    pytest.param(
+        lambda p: rewrite_config(p, max_position_embeddings=0),
+        r"config\.json: max_position_embeddings must be a positive integer, got 0\.",
+        id="max-positions-zero",
+    ),
+    pytest.param(
+        lambda p: rewrite_config(p, num_target_layers="4"),  # was a TypeError comparing with target_layer_ids
+        r"config\.json: num_target_layers must be a positive integer, got '4'\.",
+        id="num-target-layers-string",
+    ),
+    pytest.param(
+        lambda p: rewrite_config(p, attention_dropout=2.0),
+        r"config\.json: attention_dropout must be a finite number in \[0, 1\), got 2\.0\.",
+        id="dropout-above-one",
+    ),
+    pytest.param(
+        lambda p: rewrite_config(p, initializer_range=-1.0),
+        r"config\.json: initializer_range must be a finite number in \[0, inf\), got -1\.0\.",
+        id="initializer-range-negative",
+    ),
+    pytest.param(
+        lambda p: rewrite_config(p, max_window_layers=-1),
+        r"config\.json: max_window_layers must be an integer >= 0, got -1\.",
+        id="max-window-layers-negative",
+    ),
+    pytest.param(
+        lambda p: rewrite_config(p, dtype="banana"),  # was `AttributeError: module 'torch' has no attribute`
+        r"config\.json: Unknown dtype 'banana'; expected one of \[.*'bfloat16'.*\] \(a floating-point torch dtype\)",
+        id="dtype-unknown",
+    ),
+    pytest.param(
+        lambda p: rewrite_config(p, dflash_config=dflash_config(output_multiplier="2")),
+        r"config\.json: dflash_config\.output_multiplier must be a finite number in \(0, inf\), got '2'\.",
+        id="output-multiplier-string",
+    ),
+    pytest.param(
+        lambda p: rewrite_config(p, dflash_config=dflash_config(final_logit_softcapping=-30.0)),
+        r"config\.json: dflash_config\.final_logit_softcapping must be a finite number in \[0, inf\), got -30\.0",
+        id="softcapping-negative",
+    ),
+    pytest.param(
+        lambda p: rewrite_config(p, dflash_config=dflash_config(**{**DFLASH2, "conv_kernel_size": True})),
+        r"config\.json: DFlash2 needs positive integers for conv_kernel_size=True \(dflash_config\)",
+        id="dflash2-kernel-bool",
+    ),
+    pytest.param(
+        lambda p: rewrite_config(p, dflash_config=dflash_config(**{**DFLASH2, "conv_kernel_size": 10**6})),
+        r"config\.json: dflash_config\.conv_kernel_size must be at most 16 \(taps past the block's 16 slots",
+        id="dflash2-kernel-huge",
+    ),
+    pytest.param(
+        lambda p: rewrite_config(
+            p, dflash_config=dflash_config(**{**DFLASH2, "selector_rank": 10**9})
+        ),  # 384 GB codebooks
+        r"config\.json: dflash_config\.selector_rank must be at most 131072, got 1000000000\.",
+        id="dflash2-rank-huge",
     ),
     # 4. misspelt fields (Transformers would keep them as attributes that nothing reads)
     pytest.param(

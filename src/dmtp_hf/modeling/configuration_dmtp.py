@@ -28,15 +28,21 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
 from huggingface_hub.dataclasses import strict
 from huggingface_hub.errors import StrictDataclassError
 from transformers import Qwen3Config
+from transformers.activations import ACT2FN
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from ..choices import ANCHOR_LAYOUTS, FUSIONS
 from .validation import (
     check_acceptance_calibration,
+    check_bool,
+    check_choice,
     check_key_spelling,
     check_mask_token_id,
+    check_number,
     check_positive_float,
     check_positive_int,
     check_target_layer_ids,
@@ -53,6 +59,16 @@ BACKBONES = ("dflash", "dflash2")
 _DFLASH_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
 # DFlash2's `dflash_config` keys and the defaults of a DFlash2 built here (z-lab's and SpecForge's published ones).
 DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
+# Upper bounds of sizes that nothing in the checkpoint pins, so that a broken field is refused at load instead of
+# allocating terabytes in the first `generate` (or while building the model). A block is drafted in one pass and
+# verified in one target forward: published drafts use 16 slots, and acceptance falls with the depth, so a block of
+# more than 256 slots is a broken field, not a design. No published model has a layer wider than 2**17 or a
+# vocabulary above 2**22 tokens (the largest are about 54k and 262k).
+MAX_BLOCK_SIZE = 256
+MAX_WIDTH = 1 << 17
+MAX_VOCAB_SIZE = 1 << 22
+MAX_LAYERS = 1024
+ROPE_TYPES = ("default", *ROPE_INIT_FUNCTIONS)
 # What each section of a config reads: an unknown key close to one of these is a misspelling (`check_key_spelling`).
 _DMTP_FIELDS = (
     "anchor_layout",
@@ -162,6 +178,17 @@ def is_dflash_config_dict(config_dict: dict[str, Any]) -> bool:
     return any(a in _DFLASH_ARCHITECTURES for a in archs) or "dflash_config" in config_dict
 
 
+@functools.cache
+def _floating_dtype_names() -> tuple[str, ...]:
+    """``"float32"``, ``"bfloat16"``, ... : the names ``config.json`` may give ``dtype``."""
+    dtypes = {name: getattr(torch, name) for name in dir(torch)}
+    return tuple(name for name, dtype in dtypes.items() if isinstance(dtype, torch.dtype) and dtype.is_floating_point)
+
+
+def _is_positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1  # JSON `true` is a Python int
+
+
 @strict
 class DMTPConfig(Qwen3Config):
     r"""Configuration of a [`DMTPDraftModel`]: the DFlash backbone plus the first-candidate fusion.
@@ -217,10 +244,16 @@ class DMTPConfig(Qwen3Config):
         self.dflash_config = copy.deepcopy(self.dflash_config) if self.dflash_config else {}
         self.dmtp_config = copy.deepcopy(self.dmtp_config) if self.dmtp_config else {}
         # Newer DFlash checkpoints nest block_size / num_target_layers in dflash_config.
+        # Taken as written (no `int(...)`): "16", 2.5 or true must reach the checks of `validate_dmtp`.
         if "block_size" in self.dflash_config:
-            self.block_size = int(self.dflash_config.pop("block_size"))
+            self.block_size = self.dflash_config.pop("block_size")
         if "num_target_layers" in self.dflash_config and self.num_target_layers is None:
-            self.num_target_layers = int(self.dflash_config.pop("num_target_layers"))
+            self.num_target_layers = self.dflash_config.pop("num_target_layers")
+        # Qwen3Config drops the window when `use_sliding_window` is false: check the value as written first.
+        if self.sliding_window is not None:
+            check_positive_int("sliding_window", self.sliding_window)
+        if isinstance(self.dtype, str):  # Transformers reads it as `getattr(torch, dtype)`: "banana" is AttributeError
+            check_choice("dtype", self.dtype, _floating_dtype_names(), " (a floating-point torch dtype)")
         super().__post_init__(**kwargs)
 
         explicit = {
@@ -261,10 +294,13 @@ class DMTPConfig(Qwen3Config):
     # Validation
 
     def validate_dmtp(self) -> None:
-        """Raise ``ValueError`` with a precise message for any inconsistent DFlash/DMTP field."""
+        """Raise ``ValueError`` with a precise message for any DFlash/DMTP/backbone field that is of the wrong type,
+        out of its range or inconsistent with another."""
         check_key_spelling(self.dmtp_config, _DMTP_FIELDS, _DMTP_FIELDS.__contains__, "dmtp_config key")
         known_dflash = (*_DFLASH_FIELDS, *_DFLASH_EXTRAS)
         check_key_spelling(self.dflash_config, _DFLASH_FIELDS, known_dflash.__contains__, "dflash_config key")
+        self._validate_backbone_fields()
+        self._validate_block()
         layout, fusion = self.anchor_layout, self.fusion
         if layout not in ANCHOR_LAYOUTS:
             raise ValueError(f"Unknown anchor_layout {layout!r}; expected one of {ANCHOR_LAYOUTS}.")
@@ -276,32 +312,95 @@ class DMTPConfig(Qwen3Config):
             raise ValueError(
                 f"Unknown mtp_hidden_input {self.mtp_hidden_input!r}; expected one of {MTP_HIDDEN_INPUTS}."
             )
-        for name in ("num_candidates", "fusion_rank", "mtp_hidden_size"):
-            check_positive_int(name, self.dmtp_config.get(name))
+        why = f" (a block holds at most {MAX_BLOCK_SIZE} slots)"
+        check_positive_int("num_candidates", self.num_candidates, MAX_BLOCK_SIZE - 1, why)
+        for name in ("fusion_rank", "mtp_hidden_size"):
+            check_positive_int(name, self.dmtp_config.get(name), MAX_WIDTH)
         if layout != "dflash" and self.num_candidates < 2:
             raise ValueError(f"anchor_layout={layout!r} needs num_candidates >= 2 (T1 from MTP + DFlash slots).")
         check_target_layer_ids(self.target_layer_ids, self.num_target_layers)
         check_mask_token_id(self.mask_token_id, self.vocab_size)
         check_positive_float("rms_norm_eps", self.rms_norm_eps)
         check_acceptance_calibration(self.dmtp_config.get("acceptance_calibration"))
-        if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.vocab_size:
-            raise ValueError(
-                f"draft_vocab_size must be in 1..vocab_size={self.vocab_size}, got {self.draft_vocab_size}."
+        if self.draft_vocab_size is not None:
+            check_positive_int(
+                "draft_vocab_size", self.draft_vocab_size, self.vocab_size, " (a subset of the vocabulary: vocab_size)"
             )
         if self.backbone == "dflash2":
             self._validate_dflash2()
 
+    def _validate_backbone_fields(self) -> None:
+        """The Qwen3 fields the draft's layers are built from, and the DFlash extras, against their meaning.
+
+        Strict typing (Transformers' ``@strict``) already refuses a string for an integer field; these add the
+        ranges (``0`` heads, a negative window or RoPE base), the bounds of sizes that would allocate absurd memory,
+        the fields of this class (``is_causal``, ``num_target_layers``) and the names Transformers would only fail
+        on when the model is built (an activation, a RoPE type, a dtype)."""
+        check_positive_int("vocab_size", self.vocab_size, MAX_VOCAB_SIZE)
+        for name in ("hidden_size", "intermediate_size", "head_dim"):
+            check_positive_int(name, getattr(self, name), MAX_WIDTH)
+        check_positive_int("num_hidden_layers", self.num_hidden_layers, MAX_LAYERS)
+        check_positive_int("num_attention_heads", self.num_attention_heads, MAX_WIDTH // self.head_dim)
+        check_positive_int("num_key_value_heads", self.num_key_value_heads, self.num_attention_heads)
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_key_value_heads={self.num_key_value_heads} does not divide "
+                f"num_attention_heads={self.num_attention_heads} (each K/V head serves a whole group of query heads)."
+            )
+        check_positive_int("max_position_embeddings", self.max_position_embeddings)
+        check_positive_int("max_window_layers", self.max_window_layers, minimum=0)
+        if self.sliding_window is not None:
+            check_positive_int("sliding_window", self.sliding_window)
+        if self.num_target_layers is not None:
+            check_positive_int("num_target_layers", self.num_target_layers, MAX_LAYERS)
+        check_bool("is_causal", self.is_causal, optional=True)
+        check_choice("hidden_act", self.hidden_act, ACT2FN, " (the activations of transformers' ACT2FN)")
+        check_number("initializer_range", self.initializer_range, 0)
+        check_number("attention_dropout", self.attention_dropout, 0, 1, high_open=True)
+        self._validate_rope()
+        for name in ("input_embedding_scale", "output_multiplier"):
+            if self.dflash_config.get(name) is not None:
+                check_number(f"dflash_config.{name}", self.dflash_config[name], 0, low_open=True)
+        if self.dflash_config.get("final_logit_softcapping") is not None:  # 0: no softcapping, as in Gemma configs
+            check_number("dflash_config.final_logit_softcapping", self.dflash_config["final_logit_softcapping"], 0)
+
+    def _validate_rope(self) -> None:
+        """``rope_parameters`` (one dict, or one per layer type): a known ``rope_type`` and a positive base."""
+        parameters = self.rope_parameters or {}
+        nested = parameters and all(isinstance(value, dict) or value is None for value in parameters.values())
+        for where, rope in parameters.items() if nested else [("", parameters)]:
+            if not rope:
+                continue
+            prefix = f"rope_parameters[{where!r}]." if where else ""
+            check_choice(f"{prefix}rope_type", rope.get("rope_type", "default"), ROPE_TYPES)
+            if "rope_theta" in rope:
+                check_number(f"{prefix}rope_theta", rope["rope_theta"], 0, low_open=True)
+
+    def _validate_block(self) -> None:
+        """``block_size``: the slots of a drafting block (the anchor and ``block_size - 1`` candidates), bounded by
+        ``MAX_BLOCK_SIZE`` and by the positions the draft has (``max_position_embeddings``)."""
+        limit = min(MAX_BLOCK_SIZE, self.max_position_embeddings)
+        why = f" (min({MAX_BLOCK_SIZE}, max_position_embeddings): a round drafts block_size - 1 tokens at once)"
+        check_positive_int("block_size", self.block_size, limit, why, minimum=2)  # the anchor and one candidate
+
     def _validate_dflash2(self) -> None:
         values = {key: self.dflash_config.get(key) for key in DFLASH2_DEFAULTS}
-        bad = [f"{key}={value!r}" for key, value in values.items() if not isinstance(value, int) or value < 1]
+        bad = [f"{key}={value!r}" for key, value in values.items() if not _is_positive_int(value)]
         if bad:
             raise ValueError(f"DFlash2 needs positive integers for {', '.join(bad)} (dflash_config).")
         if self.hidden_size % values["conv_group_size"]:
             raise ValueError(
                 f"conv_group_size={values['conv_group_size']} does not divide hidden_size={self.hidden_size}."
             )
-        if values["selector_top_k"] > self.vocab_size:
-            raise ValueError(f"selector_top_k={values['selector_top_k']} exceeds vocab_size={self.vocab_size}.")
+        block = f" (taps past the block's {self.block_length} slots read only padding)"
+        check_positive_int("dflash_config.conv_kernel_size", values["conv_kernel_size"], self.block_length, block)
+        check_positive_int("dflash_config.selector_rank", values["selector_rank"], MAX_WIDTH)
+        vocabulary = self.draft_vocab_size or self.vocab_size  # the walk picks among the draft's top-k logits
+        if values["selector_top_k"] > vocabulary:
+            raise ValueError(
+                f"selector_top_k={values['selector_top_k']} exceeds the draft's vocabulary ({vocabulary} tokens: "
+                "draft_vocab_size, else vocab_size)."
+            )
 
     # ----------------------------------------------------------------------------------------------------------
     # Nested fields as attributes (settable, so `from_pretrained(path, anchor_layout="dflash")` works)

@@ -6,8 +6,10 @@ ignores on purpose (a DFlash checkpoint's copies of the target's ``embed_tokens`
 field of the wrong type only fails later, far from the file, or not at all. These checks refuse such checkpoints at
 load with a ``ValueError`` naming the file, the field or tensor and what was expected:
 
-- config fields (called by ``DMTPConfig.validate_dmtp``): positive integers, known strings, ``target_layer_ids``,
-  ``mask_token_id``, ``rms_norm_eps`` and ``dmtp_config.acceptance_calibration`` as ``dmtp calibrate`` writes it;
+- config fields (called by ``DMTPConfig.validate_dmtp``): every field against its meaning: integers in their range
+  (booleans and floats refused, sizes that would allocate absurd memory bounded), numbers in their interval, booleans,
+  names from a fixed set (activations: those of Transformers' ``ACT2FN``), ``target_layer_ids``, ``mask_token_id``
+  and ``dmtp_config.acceptance_calibration`` as ``dmtp calibrate`` writes it;
 - tensors (called by ``DMTPDraftModel.from_pretrained``, from the safetensors headers): no integer or boolean
   storage for a floating-point parameter, and stored copies of the target's embedding / LM head equal to the bound
   target's (without a target at load, a warning names them).
@@ -32,9 +34,12 @@ from transformers.utils import cached_file
 
 __all__ = [
     "check_acceptance_calibration",
+    "check_bool",
     "check_checkpoint_tensors",
+    "check_choice",
     "check_key_spelling",
     "check_mask_token_id",
+    "check_number",
     "check_positive_float",
     "check_positive_int",
     "check_target_layer_ids",
@@ -83,10 +88,46 @@ def check_key_spelling(keys: Iterable[str], fields: Sequence[str], known: Callab
             )
 
 
-def check_positive_int(name: str, value: Any) -> None:
-    """Refuse ``value`` unless it is an integer >= 1 (booleans refused: ``true`` would read as 1)."""
-    if not _is_int(value) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {_short(value)}.")
+def check_positive_int(name: str, value: Any, maximum: int | None = None, why: str = "", minimum: int = 1) -> None:
+    """Refuse ``value`` unless it is an integer in ``minimum..maximum`` (booleans refused: ``true`` would read as 1;
+    floats refused: ``2.5`` slots or layers mean nothing). ``maximum`` bounds a size that would otherwise allocate
+    absurd memory, ``why`` says where the bound comes from (appended to the message)."""
+    if not _is_int(value) or value < minimum:
+        expected = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ValueError(f"{name} must be {expected}, got {_short(value)}.")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be at most {maximum}{why}, got {value}.")
+
+
+def check_number(
+    name: str, value: Any, low: float, high: float = math.inf, *, low_open: bool = False, high_open: bool = False
+) -> None:
+    """Refuse ``value`` unless it is a finite number (not a boolean, not a string) in the interval from ``low`` to
+    ``high``, each end excluded when ``low_open`` / ``high_open``."""
+    if (
+        _is_number(value)
+        and (value > low if low_open else value >= low)
+        and (value < high if high_open else value <= high)
+    ):
+        return
+    interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open or high == math.inf else ']'}"
+    raise ValueError(f"{name} must be a finite number in {interval}, got {_short(value)}.")
+
+
+def check_bool(name: str, value: Any, optional: bool = False) -> None:
+    """Refuse ``value`` unless it is ``True`` or ``False`` (or ``None`` when ``optional``): a JSON string such as
+    ``"yes"`` or ``"false"`` would read as true."""
+    if isinstance(value, bool) or (optional and value is None):
+        return
+    expected = "true, false or null (unset)" if optional else "true or false"
+    raise ValueError(f"{name} must be {expected}, got {_short(value)}.")
+
+
+def check_choice(name: str, value: Any, choices: Iterable[Any], what: str = "") -> None:
+    """Refuse ``value`` unless it is one of ``choices``; ``what`` names where the choices come from."""
+    choices = sorted(choices, key=str)
+    if value not in choices:
+        raise ValueError(f"Unknown {name} {_short(value)}; expected one of {choices}{what}.")
 
 
 def check_target_layer_ids(ids: Any, num_target_layers: int | None) -> None:
