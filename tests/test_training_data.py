@@ -7,6 +7,7 @@ Everything runs on the tiny qwen3_5 target (vocab 128) with a couple of training
 
 import json
 import logging
+import re
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from dmtp_hf.assistant.target.loading import load_target
 from dmtp_hf.modeling import io
 from dmtp_hf.modeling.io import atomic_directory
 from dmtp_hf.training import TokenizedDataset, TrainConfig, Trainer, load_dataset_records, read_jsonl
-from dmtp_hf.training.data import data_fingerprints
+from dmtp_hf.training.data import data_fingerprints, synthetic_greedy_dataset
 from dmtp_hf_assets.tiny_targets import make_tiny_target
 
 VOCAB, MASK = 128, 127
@@ -69,6 +70,37 @@ def test_ids_outside_the_vocabulary_are_refused_by_file_and_line(tmp_path, targe
     write_records(path, [*random_records(3, 24), {"input_ids": [1, 2, 300, 4]}])
     with pytest.raises(ValueError, match=r"data\.jsonl:4: token id 300 .*vocabulary size 128"):
         Trainer(make_config(tmp_path, train_data=str(path)), target=target)
+
+
+@pytest.mark.parametrize("ids", [[True, False, True, 5], [1, 2.0, 3], [1, "2", 3]], ids=["bools", "float", "string"])
+def test_token_ids_that_are_not_integers_are_refused_by_file_and_line(tmp_path, ids):
+    # JSON `true`/`false` are Python ints: they trained as ids 1 and 0 (issue #62, item 5)
+    path = tmp_path / "data.jsonl"
+    write_records(path, [{"input_ids": [1, 2, 3, 4]}, {"input_ids": ids}])
+    with pytest.raises(ValueError, match=r"data\.jsonl:2: 'input_ids' must be a list of integers \(not booleans"):
+        load_dataset_records(path, vocab_size=VOCAB)
+
+
+@pytest.mark.parametrize("spec", ["synthetic:0x64", "synthetic:4x1", "synthetic:4x9", "synthetic:ax16", "synthetic:4"])
+def test_synthetic_data_specs_that_leave_nothing_to_train_on_are_refused_naming_the_spec(tmp_path, spec):
+    # `synthetic:0x64` died in a reshape, `synthetic:4x1` in generate ("max_new_tokens ... is -7"): now the config
+    # refuses them before any model loads, naming the spec and what is valid, alone or in a mixture
+    expected = rf"{{key}} '{re.escape(spec)}': expected synthetic:<N>x<len> with N >= 1 samples and len >= 10 tokens"
+    with pytest.raises(ValueError, match=expected.format(key="train_data")):
+        TrainConfig.from_dict({"target_model": "bundled", "train_data": spec, "output_dir": str(tmp_path)})
+    with pytest.raises(ValueError, match=expected.format(key="train_data")):
+        TrainConfig.from_dict({"target_model": "bundled", "train_data": [f"{spec}*0.5"], "output_dir": str(tmp_path)})
+    with pytest.raises(ValueError, match=expected.format(key="eval_data")):
+        TrainConfig.from_dict(
+            {"target_model": "bundled", "train_data": "synthetic:4x16", "eval_data": spec, "output_dir": str(tmp_path)}
+        )
+
+
+def test_synthetic_datasets_too_small_to_train_on_are_refused_when_built_directly():
+    with pytest.raises(ValueError, match=r"data source 'synthetic:0x64': expected synthetic:<N>x<len> with N >= 1"):
+        synthetic_greedy_dataset(None, 0, 64)
+    with pytest.raises(ValueError, match=r"'synthetic:4x5': .* len >= 6 tokens .* random prompt of 4 tokens"):
+        synthetic_greedy_dataset(None, 4, 5, prompt_length=4)
 
 
 def test_bytes_that_are_not_utf8_are_refused_by_file_and_line(tmp_path):

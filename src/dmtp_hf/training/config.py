@@ -4,6 +4,7 @@ are errors that name the key, before any model is loaded."""
 
 import dataclasses
 import os
+import re
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -16,9 +17,37 @@ from huggingface_hub.errors import StrictDataclassClassValidationError, StrictDa
 
 from ..modeling.configuration_dmtp import ANCHOR_LAYOUTS, FUSIONS, MTP_HIDDEN_INPUTS
 
-__all__ = ["LORA_TARGET_MODULES", "TrainConfig"]
+__all__ = ["LORA_TARGET_MODULES", "SYNTHETIC_PROMPT_LENGTH", "TrainConfig", "parse_synthetic_source"]
 
 LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# `synthetic:<N>x<len>`: N random prompts of this many tokens, each continued greedily by the target to <len> tokens.
+SYNTHETIC_PROMPT_LENGTH = 8
+_SYNTHETIC = re.compile(r"synthetic:(\d+)x(\d+)")
+
+
+def parse_synthetic_source(
+    source: str, prompt_length: int = SYNTHETIC_PROMPT_LENGTH, key: str = "data source"
+) -> tuple[int, int] | None:
+    """``"synthetic:<N>x<len>"`` -> ``(N, len)``; ``None`` for any other source (a file or folder).
+
+    Raises ``ValueError`` naming ``key`` (``train_data``...), the spec and what is valid unless it asks for N >= 1
+    samples of ``len`` tokens that leave at least two generated (supervised) tokens after the ``prompt_length``-token
+    prompt: a block is anchored on a supervised token and predicts the next, so a sample needs two in a row
+    (``synthetic:0x64`` would fail in a reshape, ``synthetic:4x1`` in `generate` with ``max_new_tokens=-7``).
+    """
+    if not source.startswith("synthetic:"):
+        return None
+    match = _SYNTHETIC.fullmatch(source)
+    num, length = (int(match[1]), int(match[2])) if match else (0, 0)
+    if num < 1 or length < prompt_length + 2:
+        raise ValueError(
+            f"{key} {source!r}: expected synthetic:<N>x<len> with N >= 1 samples and len >= {prompt_length + 2} "
+            f"tokens per sample (a random prompt of {prompt_length} tokens, then at least 2 tokens the target "
+            "generates and the draft trains on), e.g. synthetic:64x128"
+        )
+    return num, length
+
+
 AnchorLayout = Literal[ANCHOR_LAYOUTS]  # type: ignore[valid-type]
 Fusion = Literal[FUSIONS]  # type: ignore[valid-type]
 HiddenInput = Literal[MTP_HIDDEN_INPUTS]  # type: ignore[valid-type]
@@ -97,6 +126,16 @@ class TrainConfig:
                 raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
         if self.logits_chunk_size is not None and self.logits_chunk_size < 1:
             raise ValueError("logits_chunk_size must be >= 1 (or null for no chunking)")
+
+    def validate_data_sources(self) -> None:
+        """``synthetic:<N>x<len>`` sources (alone or as ``path*weight`` items of a mixture) are well formed: refused
+        here, before any model is loaded (`parse_synthetic_source`)."""
+        train = self.train_data if isinstance(self.train_data, list) else [self.train_data]
+        sources = [("train_data", source) for source in train] + [("eval_data", self.eval_data)]
+        for key, source in sources:
+            if source is not None:
+                unweighted = source.rpartition("*")[0] if "*" in source else source
+                parse_synthetic_source(unweighted, key=key)
 
     def validate_modes(self) -> None:
         """Layouts and head-training modes that fit together."""

@@ -35,6 +35,7 @@ from safetensors import safe_open
 from transformers import GenerationConfig
 
 from ..bundled import resolve_target_path
+from .config import SYNTHETIC_PROMPT_LENGTH, parse_synthetic_source
 from .data_checks import LengthReport, check_token_ids, path_fingerprint
 
 if TYPE_CHECKING:
@@ -294,8 +295,9 @@ def load_dataset_records(
 def _pretokenized_sample(record: dict[str, Any], where: str) -> dict[str, torch.Tensor]:
     ids = record["input_ids"]
     mask = record.get("loss_mask", [1] * len(ids))
-    if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
-        raise ValueError(f"{where}: 'input_ids' must be a list of integers")
+    # JSON `true`/`false` are Python ints: they would train as token ids 1 and 0.
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise ValueError(f"{where}: 'input_ids' must be a list of integers (not booleans, floats or strings)")
     if not isinstance(mask, list) or len(mask) != len(ids):
         raise ValueError(f"{where}: 'loss_mask' must be a list as long as 'input_ids' ({len(ids)})")
     return {"input_ids": torch.tensor(ids, dtype=torch.long), "loss_mask": torch.tensor(mask).long()}
@@ -399,12 +401,18 @@ def mixed_dataset(parts: Sequence[tuple[torch.utils.data.Dataset, float]], seed:
 
 
 def synthetic_greedy_dataset(
-    target: torch.nn.Module, num_samples: int, length: int, prompt_length: int = 8, seed: int = 0
+    target: torch.nn.Module,
+    num_samples: int,
+    length: int,
+    prompt_length: int = SYNTHETIC_PROMPT_LENGTH,
+    seed: int = 0,
 ) -> TokenizedDataset:
     """Random prompts continued greedily by the target itself (smoke tests: the target-regenerated data setting).
 
-    Loss mask: the continuation only. ``train_data: synthetic:<N>x<len>`` in a config selects it.
+    Loss mask: the continuation only. ``train_data: synthetic:<N>x<len>`` in a config selects it; sizes that leave
+    no sample to train on raise ``ValueError`` (`config.parse_synthetic_source`).
     """
+    parse_synthetic_source(f"synthetic:{num_samples}x{length}", prompt_length)
     vocab = target.config.get_text_config().vocab_size
     generator = torch.Generator().manual_seed(seed)
     device = next(target.parameters()).device
@@ -445,9 +453,9 @@ def load_training_data(
     if isinstance(source, list):
         parts = [(load_training_data(config, target, path), weight) for path, weight in map(parse_mix_item, source)]
         return mixed_dataset(parts, seed=config.seed)
-    if source.startswith("synthetic:"):
-        num, _, length = source.removeprefix("synthetic:").partition("x")
-        return synthetic_greedy_dataset(target, int(num), int(length), seed=config.seed)
+    synthetic = parse_synthetic_source(source)
+    if synthetic is not None:
+        return synthetic_greedy_dataset(target, *synthetic, seed=config.seed)
     if not Path(source).exists():
         raise FileNotFoundError(
             f"The training data {source} does not exist; the comment next to it in the shipped configs names the "
