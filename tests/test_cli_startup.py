@@ -106,3 +106,66 @@ def test_registering_the_router_again_runs_it_once(monkeypatch):
     monkeypatch.setattr(binding, "_BIND_HOOKS", list(binding.DEFAULT_BIND_HOOKS))
     router.route_bound_targets()
     assert binding._bind_hooks() == [router.install_generate_router]
+
+
+SUBCOMMANDS = ("demo", "convert", "info", "export-mtp", "setup-target", "eval", "bench", "calibrate", "push")
+DELEGATED = ("train", "regenerate", "extract")
+HEAVY = ("torch", "transformers", "accelerate", "peft", "dmtp_hf.training.trainer")
+
+
+def test_every_subcommand_help_answers_without_the_heavy_modules():
+    """``dmtp train --help`` took 27-47 s on a loaded machine: it imported the training stack to build its parser.
+    Each subcommand's ``--help`` now runs in a fresh interpreter quickly, importing none of the heavy modules (the
+    robust check; the wall-clock bound is generous for a loaded 2-core machine)."""
+    import time
+
+    started = time.perf_counter()
+    loaded = run_python(
+        f"""
+        import contextlib, io, json, sys, time
+        from dmtp_hf.cli import main
+        report = {{}}
+        for command in {list(SUBCOMMANDS + DELEGATED)!r}:
+            out = io.StringIO()
+            start = time.perf_counter()
+            with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+                main([command, "--help"])
+            report[command] = {{"help": out.getvalue(), "seconds": time.perf_counter() - start}}
+        print(json.dumps({{"heavy": [m for m in {HEAVY!r} if m in sys.modules], "report": report}}))
+        """
+    )
+    elapsed = time.perf_counter() - started
+    assert loaded["heavy"] == []
+    for command, entry in loaded["report"].items():
+        assert f"dmtp {command}" in entry["help"] and "--" in entry["help"], command
+        assert entry["seconds"] < 5, (command, entry["seconds"])
+    assert "--set KEY=VALUE" in loaded["report"]["train"]["help"]
+    assert "--threads" in loaded["report"]["eval"]["help"]
+    assert elapsed < 60  # one interpreter for all of them (the imports above are the whole cost)
+
+
+def test_a_mistyped_training_key_is_refused_with_a_suggestion_before_torch_loads(tmp_path):
+    """``--set max_step=20`` was reported after 155 s (the trainer imported, the target loaded) and without a hint."""
+    config = tmp_path / "run.yaml"
+    config.write_text("target_model: bundled\ntrain_data: synthetic:4x16\noutput_dir: out\n")
+    loaded = run_python(
+        f"""
+        import contextlib, io, json, sys
+        from dmtp_hf.cli import main
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            code = main(["train", "--config", {str(config)!r}, "--set", "max_step=20"])
+        print(json.dumps({{"code": code, "err": err.getvalue(), "heavy": [m for m in {HEAVY!r} if m in sys.modules]}}))
+        """
+    )
+    assert loaded["code"] == 2 and loaded["heavy"] == []
+    assert "Unknown config key(s): 'max_step' (did you mean 'max_steps'?)" in loaded["err"]
+
+
+def test_the_light_choices_are_the_draft_configs_own():
+    """The training config validates against `dmtp_hf.choices` (no torch): the same names the draft config takes."""
+    from dmtp_hf import choices
+    from dmtp_hf.modeling import configuration_dmtp
+
+    assert choices.MTP_HIDDEN_INPUTS == configuration_dmtp.MTP_HIDDEN_INPUTS
+    assert (choices.ANCHOR_LAYOUTS, choices.FUSIONS) == (configuration_dmtp.ANCHOR_LAYOUTS, configuration_dmtp.FUSIONS)

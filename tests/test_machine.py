@@ -92,3 +92,70 @@ def test_a_periodic_burner_switches_its_load_on_and_off():
         assert True in states and False in states
     with pytest.raises(ValueError, match="period must be > 0"):
         Burner(1, period=0)
+
+
+def test_speculative_generate_warns_once_when_threads_outnumber_the_free_cores(monkeypatch):
+    """On a loaded machine, threads waiting for cores made the README snippet run at 0.40x plain generate (2
+    threads) instead of 1.8x (1 thread): the first speculative generate of a process says how to set them."""
+    import warnings
+
+    import torch
+    from conftest import draft_for, tiny_qwen3_target
+
+    from dmtp_hf import machine
+
+    target = tiny_qwen3_target()
+    draft = draft_for(target, anchor_layout="dflash")
+    prompt = torch.tensor([[5, 17, 42, 9, 77, 3, 64]])
+
+    def speculative_generate():
+        target.generate(prompt, assistant_model=draft, do_sample=False, max_new_tokens=4)
+
+    measured = []
+    monkeypatch.setattr(machine, "free_cores", lambda window=0.5: measured.append(window) or 1)  # one core free
+    monkeypatch.setattr(machine, "_threads_checked", False)  # as in a fresh process
+    threads = torch.get_num_threads()
+    try:
+        with monkeypatch.context() as two_threads, warnings.catch_warnings(record=True) as caught:
+            two_threads.setattr(torch, "get_num_threads", lambda: 2)  # what torch reports, without the slow-down
+            warnings.simplefilter("always")
+            for _ in range(2):
+                speculative_generate()
+        told = [str(w.message) for w in caught if "intra-op threads" in str(w.message)]
+        assert len(told) == 1 and len(measured) == 1  # once per process, one short measurement
+        assert "torch.set_num_threads(1)" in told[0] and "dmtp_hf.machine.set_threads()" in told[0]
+
+        monkeypatch.setattr(machine, "_threads_checked", False)
+        assert machine.set_threads() == 1 and torch.get_num_threads() == 1  # the free cores, as the demo chooses
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a count chosen for this machine is not warned about
+            speculative_generate()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_eval_sets_its_threads_like_the_demo(models_dir, tmp_path, monkeypatch):
+    """``dmtp eval`` ran on torch's default threads (0.43x plain on a loaded machine, 1.58x with one thread):
+    ``--threads N`` sets them, and without it the free cores do (OMP_NUM_THREADS, when set, wins)."""
+    import torch
+
+    from dmtp_hf import machine
+
+    chosen = []
+    monkeypatch.setattr(machine, "free_cores", lambda window=0.5: 1)
+    real = machine.set_threads
+    monkeypatch.setattr(
+        machine, "set_threads", lambda threads=None, reserved=0: chosen.append(threads) or real(threads)
+    )
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    threads = torch.get_num_threads()
+    argv = ["eval", "--target", str(models_dir / "target"), "--dflash-draft", str(models_dir / "dflash")]
+    argv += ["--strategies", "dflash", "--datasets", "gsm8k", "--limit", "1", "--max-new-tokens", "4", "--no-baseline"]
+    argv += ["--output-dir", str(tmp_path / "eval"), "--no-progress"]
+    try:
+        assert main([*argv, "--threads", "1"]) == 0
+        assert main(argv) == 0
+        assert chosen == [1, None] and torch.get_num_threads() == 1
+        assert main([*argv, "--threads", "0"]) == 2  # refused before anything loads
+    finally:
+        torch.set_num_threads(threads)

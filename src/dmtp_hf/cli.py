@@ -14,7 +14,18 @@ from collections.abc import Sequence
 from pathlib import Path
 
 
+def _require_folders(checkpoint=None, **options) -> None:
+    """Refuse a model folder that can only be local and is missing (the positional ``checkpoint``, then each
+    ``--option``), before torch loads and before any Hub call (`local_paths.require_local_folder`)."""
+    from .local_paths import require_local_folder
+
+    require_local_folder(checkpoint)
+    for name, path in options.items():
+        require_local_folder(path, "--" + name.replace("_", "-"))
+
+
 def _cmd_convert(args: argparse.Namespace) -> int:
+    _require_folders(args.source, target=args.target, mtp_head=args.mtp_head)
     from .modeling import DMTPDraftModel
 
     overrides = {}
@@ -59,6 +70,7 @@ def _bind_for_export(model, args: argparse.Namespace):
 
 
 def _cmd_export_mtp(args: argparse.Namespace) -> int:
+    _require_folders(args.head, target=args.target)
     from .modeling.native_mtp import export_mtp_into_target, load_native_mtp, load_target_checkpoint
 
     target = load_target_checkpoint(args.target, dtype="auto")
@@ -77,6 +89,7 @@ def _cmd_setup_target(args: argparse.Namespace) -> int:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
+    _require_folders(args.path)
     from .modeling import DMTPConfig
 
     cfg = DMTPConfig.from_pretrained(args.path)
@@ -169,19 +182,26 @@ def build_parser() -> argparse.ArgumentParser:
     from .evaluation.commands import add_subcommands
 
     add_subcommands(sub)  # eval, bench, push
-    for name, (_, help_text) in _DELEGATED.items():  # listed in --help; parsed by their own modules
+    for name, (_, _, help_text) in _DELEGATED.items():  # listed in --help; parsed by their own modules
         sub.add_parser(name, help=help_text, add_help=False)
     return parser
 
 
-# Subcommands that own their argument parser (``dmtp train --help`` shows theirs).
+# Subcommands that own their argument parser (``dmtp train --help`` shows theirs): the module that runs the command
+# (imported only to run it: it loads torch, Accelerate, ...), the light parser in `training.arguments` (``--help``
+# and argument errors answer without that), and the one-line help.
 _DELEGATED = {
     "train": (
         "dmtp_hf.training.trainer",
+        "train_parser",
         "train a DMTP/DFlash/DFlash2 draft and/or an MTP head (native or retrofitted) from a YAML config",
     ),
-    "regenerate": ("dmtp_hf.training.regenerate", "rewrite a chat JSONL's assistant turns with the target"),
-    "extract": ("dmtp_hf.training.features", "write offline target/MTP feature shards for training"),
+    "regenerate": (
+        "dmtp_hf.training.regenerate",
+        "regenerate_parser",
+        "rewrite a chat JSONL's assistant turns with the target",
+    ),
+    "extract": ("dmtp_hf.training.features", "extract_parser", "write offline target/MTP feature shards for training"),
 }
 # Commands that were removed, and where their users should go.
 _REMOVED = {
@@ -191,6 +211,26 @@ _REMOVED = {
 }
 
 
+def _run_delegated(command: str, argv: list[str]) -> int:
+    """Run ``dmtp train|regenerate|extract``: parse and check what can be checked cheaply (``--help``, argument
+    errors, the training config's keys, model folders that can only be local), then import the command and run it."""
+    import importlib
+
+    from .local_paths import require_local_folder
+    from .training import arguments
+
+    module_name, parser_name, _ = _DELEGATED[command]
+    args = getattr(arguments, parser_name)().parse_args(argv)
+    if command == "train":
+        from .training.config import TrainConfig
+
+        TrainConfig.from_yaml(args.config, args.set).check_model_paths()  # a typo in a key: refused in a second
+    else:
+        require_local_folder(args.target, "--target")
+        require_local_folder(args.tokenizer, "--tokenizer")
+    return importlib.import_module(module_name).main(argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``dmtp`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -198,11 +238,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"dmtp {argv[0]}: error: {_REMOVED[argv[0]]}", file=sys.stderr)
         return 2
     if argv and argv[0] in _DELEGATED:
-        import importlib
-
-        module = importlib.import_module(_DELEGATED[argv[0]][0])
         try:
-            return module.main(argv[1:])
+            return _run_delegated(argv[0], argv[1:])
         except (ValueError, OSError, NotImplementedError) as err:
             print(f"dmtp {argv[0]}: error: {err}", file=sys.stderr)
             return 2

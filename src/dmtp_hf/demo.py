@@ -18,7 +18,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from .machine import free_cores
+from .machine import set_threads
 
 # Requests per bundle, in the shapes of its evaluation (a code request, a chat turn, an open question): drafters
 # differ on them (on the code request alone every drafter of the toy target accepts almost everything).
@@ -81,7 +81,7 @@ def run_demo(max_new_tokens: int | None = None, seed: int = 0, bundle: str = "bu
 
     torch.manual_seed(seed)
     if "OMP_NUM_THREADS" not in os.environ:  # threads that do not oversubscribe a busy machine (a user's setting wins)
-        torch.set_num_threads(free_cores())
+        set_threads()
     paths = bundle_paths(bundle)
     # Stored in bf16; fp32 is the fast CPU dtype and keeps greedy output token for token plain generate's.
     target = AutoModelForCausalLM.from_pretrained(paths["target"], dtype=torch.float32).eval()

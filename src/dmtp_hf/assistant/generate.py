@@ -8,6 +8,8 @@ top-k/p, ...), stopping criteria, ``max_new_tokens`` and EOS handling stay Trans
 from __future__ import annotations
 
 import copy
+import sys
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +17,8 @@ import torch
 from transformers import CompileConfig, StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from ..machine import thread_oversubscription_once
+from ..modeling.binding import UNBOUND_ASSISTANT
 from ..modeling.modeling_dmtp import DMTPDraftModel
 from ..modeling.native_mtp.head import NativeMTPHead
 from .accept.batch import StepOutputs
@@ -68,6 +72,8 @@ def as_drafter(
         return MTPDrafter(assistant, mtp_steps, **backend)
     if not _is_a(assistant, DMTPDraftModel):
         return None
+    if assistant.__dict__.get("_target") is None:  # else the first round fails on a missing MTP head or target
+        raise ValueError(UNBOUND_ASSISTANT)
     strategy = strategy or ("dflash" if assistant.config.anchor_layout == "dflash" else "dmtp")
     if strategy == "dflash":
         return DFlashDrafter(assistant, **backend)
@@ -143,6 +149,7 @@ def dmtp_custom_generate(
     """
     if dmtp_drafter is None:
         raise ValueError("dmtp_custom_generate needs `dmtp_drafter=` (see dmtp_hf.as_drafter).")
+    _warn_once_if_threads_outnumber_free_cores()
     check_generate_options(model, {**model_kwargs, "generation_config": generation_config})
     compile_config = compiled_verify_config(model, dmtp_compile, generation_config)
     cache = target_cache(  # the cache the call runs on (and returns): the engine's one rule
@@ -190,6 +197,24 @@ def dmtp_custom_generate(
         scores=outputs and outputs.steps("scores", steps),
         logits=outputs and outputs.steps("logits", steps),
     )
+
+
+def _warn_once_if_threads_outnumber_free_cores() -> None:
+    """Warn (the first call per process only: the check measures the load for a moment) when torch's intra-op threads
+    outnumber the free cores: on a busy machine that makes speculative decoding slower than plain decoding."""
+    message = thread_oversubscription_once(torch.get_num_threads())
+    if message is not None:
+        warnings.warn(message, UserWarning, stacklevel=_caller_stacklevel())
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` of the first frame outside this library, Transformers and torch: the caller's ``generate``
+    line (the router and Transformers' ``generate`` lie between, at a depth that depends on the entry point)."""
+    inner = ("dmtp_hf", "transformers", "torch")
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in inner:
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def compiled_verify_config(target, compile: bool | CompileConfig, generation_config=None) -> CompileConfig | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -136,6 +137,12 @@ def add_subcommands(sub) -> None:
         "--no-baseline", action="store_true", help="do not time plain target.generate (no speedup column)"
     )
     evaluate.add_argument(
+        "--threads",
+        type=int,
+        help="intra-op threads (default: as `dmtp demo` chooses, the cores free when the run starts; "
+        "OMP_NUM_THREADS, when set, wins)",
+    )
+    evaluate.add_argument(
         "--report-only",
         nargs="+",
         type=Path,
@@ -249,8 +256,8 @@ def _settings(args: argparse.Namespace):
 
 
 def _load(args: argparse.Namespace) -> dict[str, Any]:
-    """Validate prompts and settings first (cheap, fails fast), then load target, tokenizer and strategies."""
-    from ..assistant.target.loading import load_target
+    """Validate prompts, settings and model paths first (cheap, fails fast), then load target, tokenizer and
+    strategies."""
     from .models import (
         build_strategies,
         load_tokenizer,
@@ -273,6 +280,8 @@ def _load(args: argparse.Namespace) -> dict[str, Any]:
         bundle=args.bundle,
     )
     labels = parse_strategies(args.strategies, paths, extra_labels=[label for label, _ in args.extra_draft])
+    from ..assistant.target.loading import load_target  # torch and Transformers: only once the paths are known
+
     device, dtype = resolve_device_dtype(args.device, args.dtype)
     target = load_target(paths.target, dtype=dtype, device=device)
     tokenizer = load_tokenizer(paths.tokenizer or paths.target)
@@ -360,11 +369,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """``dmtp eval``: run the acceptance evaluation and write JSON, markdown and plots."""
-    from .acceptance import run_acceptance_eval
-    from .merge import merge_eval_results
-    from .report import eval_table, write_eval_outputs
-
     if args.report_only:
+        from .merge import merge_eval_results
+
         parts = []
         for path in args.report_only:
             try:
@@ -373,7 +380,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
                 raise ValueError(f"cannot read eval results {path}: {err}") from None
         results = merge_eval_results(parts)
     else:
+        if args.threads is not None and args.threads < 1:
+            raise ValueError("--threads must be >= 1")
         loaded = _load(args)
+        from ..machine import set_threads
+        from .acceptance import run_acceptance_eval  # torch: after the cheap checks of `_load`
+
+        # Measured after loading (an idle moment of this process): more threads than free cores would make every
+        # speculative method crawl on a busy machine (0.43x plain generate with 2 threads vs 1.58x with 1).
+        if args.threads is not None or "OMP_NUM_THREADS" not in os.environ:
+            set_threads(args.threads)
+
         results = run_acceptance_eval(
             loaded["target"],
             loaded["tokenizer"],
@@ -383,6 +400,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
             paths=loaded["paths"],
             progress=not args.no_progress,
         )
+    from .report import eval_table, write_eval_outputs
+
     files = write_eval_outputs(results, args.output_dir)
     console = _console()
     console.print(eval_table(results))
@@ -408,7 +427,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
     from ..assistant.target.loading import load_target
-    from ..machine import Burner, free_cores
+    from ..machine import Burner, set_threads
     from ..modeling.io import atomic_write_json
     from .acceptance import encode_conversation, generation_kwargs
     from .models import eos_token_ids
@@ -426,8 +445,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.burner < 0 or (args.threads is not None and args.threads < 1):
         raise ValueError("--burner must be >= 0 and --threads >= 1")
     # threads that do not oversubscribe: counted before the burner starts, which then takes its cores
-    threads = args.threads or max(1, free_cores() - args.burner)
-    torch.set_num_threads(threads)
+    threads = set_threads(args.threads, reserved=args.burner)
     loaded = _load(args)
     target, tokenizer, settings = loaded["target"], loaded["tokenizer"], loaded["settings"]
     assistant = None

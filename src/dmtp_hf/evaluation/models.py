@@ -85,7 +85,12 @@ def resolve_model_paths(
     heads: Mapping[str, str] | None = None,
     bundle: str = "bundled",
 ) -> ModelPaths:
-    """Fill omitted paths from the bundle's models; raise ``ValueError`` asking for ``--target`` if none."""
+    """Fill omitted paths from the bundle's models; raise ``ValueError`` asking for ``--target`` if none, and
+    ``FileNotFoundError`` for a given folder that can only be local and is missing (before any Hub call)."""
+    _require_local_folders(
+        {"--target": target, "--tokenizer": tokenizer, "--mtp-head": mtp_head, **_labelled("--head", heads)},
+        drafts={"--draft": draft, "--dflash-draft": dflash_draft, **_labelled("--extra-draft", extra_drafts)},
+    )
     paths = ModelPaths(
         target=str(target) if target else None,
         draft=str(draft) if draft else None,
@@ -110,6 +115,21 @@ def resolve_model_paths(
             for label, path in (defaults.get("heads") or {}).items():
                 paths.heads.setdefault(label, str(path))
     return paths
+
+
+def _labelled(option: str, paths: Mapping[str, str] | None) -> dict[str, str]:
+    return {f"{option} {label}": path for label, path in (paths or {}).items()}
+
+
+def _require_local_folders(checkpoints: Mapping[str, Any], drafts: Mapping[str, Any]) -> None:
+    """`require_local_folder` on every checkpoint an evaluation was given (option -> path); a draft given as
+    ``PATH@HEAD`` is checked at its ``PATH``."""
+    from ..local_paths import require_local_folder
+
+    for option, path in checkpoints.items():
+        require_local_folder(path, option)
+    for option, spec in drafts.items():
+        require_local_folder(str(spec).partition("@")[0] if spec else None, option)
 
 
 def _optional(value: Any) -> str | None:

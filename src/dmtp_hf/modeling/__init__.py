@@ -6,7 +6,7 @@ Importing this package registers the draft with Transformers' ``AutoConfig``/``A
 from transformers import AutoConfig, AutoModel
 
 from .attention_masks import AttentionLayout, dflash_visibility, draft_attention_masks
-from .binding import check_draft_target_compatibility, register_bind_hook
+from .binding import check_draft_target_compatibility, guard_unbound_assistants, register_bind_hook
 from .configuration_dmtp import ANCHOR_LAYOUTS, FUSIONS, DMTPConfig, build_target_layer_ids
 from .modeling_dmtp import DMTPDraftModel, DMTPPreTrainedModel, FirstCandidateFusion
 from .native_mtp import (
@@ -25,6 +25,7 @@ from .native_mtp import (
 # path to the draft class (`from dmtp_hf import DMTPDraftModel`, `from dmtp_hf.modeling import ...`) passes here.
 AutoConfig.register(DMTPConfig.model_type, DMTPConfig, exist_ok=True)
 AutoModel.register(DMTPConfig, DMTPDraftModel, exist_ok=True)
+guard_unbound_assistants()  # an unbound draft given to a hybrid target's generate: "bind it", not "stateful models"
 
 __all__ = [
     "ANCHOR_LAYOUTS",

@@ -7,12 +7,21 @@ bind hooks. The first is the generation layer's router (``dmtp_hf.assistant.rout
 routes ``target.generate(assistant_model=draft)`` into the engine): it is named here by its dotted path and imported
 at the first bind, so this layer never imports the engine, and a user who imported only ``DMTPDraftModel`` gets a
 routed target all the same. :func:`register_bind_hook` adds more.
+
+A draft records the target it was trained for (:func:`target_identity`, written by the trainer); binding it to a
+target with another identity warns. A draft that was never bound and is passed to ``generate`` anyway is refused
+with the way to bind it (:data:`UNBOUND_ASSISTANT`, :func:`guard_unbound_assistants`).
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import importlib
+import json
+import warnings
 from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 
@@ -26,7 +35,9 @@ __all__ = [
     "bind_draft",
     "bound_native_mtp",
     "check_draft_target_compatibility",
+    "guard_unbound_assistants",
     "register_bind_hook",
+    "target_identity",
 ]
 
 UNBOUND_ASSISTANT = (
@@ -97,6 +108,67 @@ def check_draft_target_compatibility(config: DMTPConfig, target: nn.Module) -> N
         )
 
 
+# The target config fields that make a draft's features and tokens mean what they meant in training: the family and
+# its sizes, the vocabulary and the positions (a draft reads the target's hidden states, embeddings and LM head).
+_IDENTITY_FIELDS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "layer_types",
+    "rope_parameters",
+    "rope_theta",
+    "tie_word_embeddings",
+    "num_experts",
+    "num_local_experts",
+    "n_routed_experts",
+    "moe_intermediate_size",
+    "num_nextn_predict_layers",
+    "mtp_num_hidden_layers",
+)
+
+
+def target_identity(target: nn.Module) -> dict[str, Any]:
+    """What a trained draft records of its target (``dmtp_config["target_identity"]``): ``config_sha256``, a hash
+    of the target config's architecture-defining fields (`_IDENTITY_FIELDS`, the vocabulary size included), plus
+    the ``model_type`` and ``name_or_path`` the warning of a mismatched bind quotes. Cheap: it reads the config only."""
+    text = _text_config(target)
+    fields = {name: getattr(text, name, None) for name in _IDENTITY_FIELDS}
+    canonical = json.dumps(fields, sort_keys=True, default=str)  # default=str: enums, dtypes in rope dicts
+    return {
+        "config_sha256": hashlib.sha256(canonical.encode()).hexdigest(),
+        "model_type": text.model_type,
+        "name_or_path": str(getattr(target.config, "_name_or_path", "") or ""),
+    }
+
+
+def warn_if_another_target(config: DMTPConfig, target: nn.Module) -> None:
+    """Warn when the draft recorded the identity of the target it was trained for and ``target`` has another one.
+
+    Sizes alone pass `check_draft_target_compatibility`: a draft trained for one target then binds to any other of
+    the same sizes, and silently drafts tokens that target rarely accepts. Drafts without the record (trained before
+    it existed, converted from DFlash) are not warned about."""
+    recorded = (config.dmtp_config or {}).get("target_identity")
+    if not isinstance(recorded, dict) or not recorded.get("config_sha256"):
+        return
+    current = target_identity(target)
+    if recorded["config_sha256"] == current["config_sha256"]:
+        return
+    trained_for = recorded.get("name_or_path") or "another target"
+    warnings.warn(
+        f"This draft was trained for {trained_for} (model_type {recorded.get('model_type')!r}), and the target "
+        f"{current['name_or_path'] or type(target).__name__} (model_type {current['model_type']!r}) has another "
+        "architecture config (its fields differ from the recorded target's). It binds, since the sizes fit, but "
+        "expect few accepted tokens: use the draft trained for this target, or train one.",
+        UserWarning,
+        stacklevel=4,
+    )
+
+
 def bind_draft(draft: nn.Module, target: nn.Module, native_mtp: nn.Module | None = None) -> None:
     """Attach ``target`` (and its native MTP head) to ``draft`` after checking compatibility.
 
@@ -109,6 +181,7 @@ def bind_draft(draft: nn.Module, target: nn.Module, native_mtp: nn.Module | None
     if config.num_target_layers is None:  # older configs omit it: the bound target says, not the draft
         config.num_target_layers = _text_config(target).num_hidden_layers
     check_draft_target_compatibility(config, target)
+    warn_if_another_target(config, target)
     target_dtype = target.get_input_embeddings().weight.dtype
     own = next((p.dtype for p in draft.parameters() if p.is_floating_point()), target_dtype)
     if target_dtype.is_floating_point and own != target_dtype:
@@ -148,3 +221,41 @@ def bound_native_mtp(draft: nn.Module) -> nn.Module:
             )
         )
     return head
+
+
+def _is_unbound_draft(assistant: Any) -> bool:
+    """A DMTP draft (this package's class or a Hub repo's copy of it) that was never bound to a target."""
+    return (
+        isinstance(assistant, nn.Module)
+        and any(cls.__name__ == "DMTPDraftModel" for cls in type(assistant).__mro__)
+        and assistant.__dict__.get("_target") is None
+    )
+
+
+def guard_unbound_assistants() -> None:
+    """Make ``target.generate(assistant_model=draft)`` say "bind the draft" when the draft was never bound and the
+    target is stateful (hybrid linear attention: Qwen3.5, Qwen3-Next).
+
+    Binding routes that target's ``generate`` into the engine (`bind_draft`). Without it the call is Transformers'
+    own, which refuses assisted decoding on a stateful target before it reads anything of the assistant ("assisted
+    generation is not supported with stateful models"): true, but silent about the fix. The one Transformers method
+    that sees both the target and the assistant first, ``GenerationMixin._validate_generation_mode``, is wrapped
+    (once per process, by ``import dmtp_hf.modeling``) to raise :data:`UNBOUND_ASSISTANT` for exactly that case;
+    every other call runs the original unchanged. (On other targets Transformers reads the assistant's
+    ``generation_config``, where the draft raises the same message.)
+    """
+    from transformers.generation.utils import GenerationMixin
+
+    original = GenerationMixin.__dict__.get("_validate_generation_mode")
+    if original is None or getattr(original, "_dmtp_unbound_guard", False):
+        return
+
+    @functools.wraps(original)
+    def validate_generation_mode(self, *args: Any, **kwargs: Any):
+        mode_kwargs = kwargs.get("generation_mode_kwargs", args[2] if len(args) > 2 else None) or {}
+        if getattr(self, "_is_stateful", False) and _is_unbound_draft(mode_kwargs.get("assistant_model")):
+            raise ValueError(UNBOUND_ASSISTANT)
+        return original(self, *args, **kwargs)
+
+    validate_generation_mode._dmtp_unbound_guard = True
+    GenerationMixin._validate_generation_mode = validate_generation_mode

@@ -15,33 +15,63 @@
 - `trainer`: `Trainer`, the setup and the loop (accelerate; ``scripts/finetune.py``, ``dmtp train``).
 """
 
-from .config import TrainConfig
-from .data import (
-    ChatRenderer,
-    TokenizedDataset,
-    collate,
-    conversation_from_record,
-    load_dataset_records,
-    read_jsonl,
-    synthetic_greedy_dataset,
-)
-from .features import FeatureExtractor, OfflineFeatureDataset, extract_features, load_target
-from .models import build_draft, merged_copy
-from .objective import (
-    BlockPlan,
-    DMTPTrainingObjective,
-    ObjectiveOutput,
-    anchor_scores,
-    build_attention_masks,
-    plan_blocks,
-    sample_anchors,
-    summarize_metrics,
-    valid_anchor_mask,
-)
-from .protocol import TrainingObjective
-from .regenerate import regenerate
-from .schedule import StepSchedule
-from .trainer import Trainer
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# Public name -> the module that defines it. Loaded on first use (PEP 562): `dmtp train --help` imports
+# `training.arguments` and `training.config` without torch, Accelerate or the trainer.
+_LAZY = {
+    "TrainConfig": "config",
+    **dict.fromkeys(
+        (
+            "ChatRenderer",
+            "TokenizedDataset",
+            "collate",
+            "conversation_from_record",
+            "load_dataset_records",
+            "read_jsonl",
+            "synthetic_greedy_dataset",
+        ),
+        "data",
+    ),
+    **dict.fromkeys(("FeatureExtractor", "OfflineFeatureDataset", "extract_features", "load_target"), "features"),
+    **dict.fromkeys(("build_draft", "merged_copy"), "models"),
+    **dict.fromkeys(
+        (
+            "BlockPlan",
+            "DMTPTrainingObjective",
+            "ObjectiveOutput",
+            "anchor_scores",
+            "build_attention_masks",
+            "plan_blocks",
+            "sample_anchors",
+            "summarize_metrics",
+            "valid_anchor_mask",
+        ),
+        "objective",
+    ),
+    "TrainingObjective": "protocol",
+    "regenerate": "regenerate",
+    "StepSchedule": "schedule",
+    "Trainer": "trainer",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Import the module that defines ``name`` on first access (and keep the value here)."""
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    """The module's own names and the lazily loaded public ones."""
+    return sorted({*globals(), *_LAZY})
+
 
 __all__ = [
     "BlockPlan",

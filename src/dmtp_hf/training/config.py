@@ -3,6 +3,7 @@
 are errors that name the key, before any model is loaded."""
 
 import dataclasses
+import difflib
 import os
 import re
 import typing
@@ -15,7 +16,8 @@ import yaml
 from huggingface_hub.dataclasses import strict
 from huggingface_hub.errors import StrictDataclassClassValidationError, StrictDataclassFieldValidationError
 
-from ..modeling.configuration_dmtp import ANCHOR_LAYOUTS, FUSIONS, MTP_HIDDEN_INPUTS
+from ..choices import ANCHOR_LAYOUTS, FUSIONS, MTP_HIDDEN_INPUTS  # not the draft's config: no torch to load here
+from ..local_paths import require_local_folder
 
 __all__ = ["LORA_TARGET_MODULES", "SYNTHETIC_PROMPT_LENGTH", "TrainConfig", "parse_synthetic_source"]
 
@@ -157,7 +159,7 @@ class TrainConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - names)
         if unknown:
-            raise ValueError(f"Unknown config key(s): {unknown}")
+            raise ValueError("Unknown config key(s): " + "; ".join(_with_suggestion(key, names) for key in unknown))
         hints = typing.get_type_hints(cls)
         # YAML writes `1` for `1.0`: an int is a valid float setting (a bool is not).
         values = {
@@ -182,9 +184,21 @@ class TrainConfig:
             values[key.strip()] = yaml.safe_load(raw)
         return cls.from_dict(values)
 
+    def check_model_paths(self) -> None:
+        """Raise ``FileNotFoundError`` for a model folder (target, ``init_from``, ``mtp_init_from``, tokenizer) that
+        can only be local and does not exist: before any model is loaded, instead of a minute of Hub retries."""
+        for key in ("target_model", "init_from", "mtp_init_from", "tokenizer"):
+            require_local_folder(getattr(self, key), key)
+
     def to_dict(self) -> dict[str, Any]:
         """The config as a plain dict (what is saved next to checkpoints)."""
         return dataclasses.asdict(self)
+
+
+def _with_suggestion(key: Any, names: set[str]) -> str:
+    """``'max_step' (did you mean 'max_steps'?)``: an unknown key with the closest field, if one is close."""
+    close = difflib.get_close_matches(str(key), sorted(names), n=1, cutoff=0.6)
+    return f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key)
 
 
 def _takes_float(hint: Any) -> bool:

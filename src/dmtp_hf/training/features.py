@@ -25,7 +25,6 @@ Shard format (``features-00000.safetensors``), samples concatenated along the to
 
 from __future__ import annotations
 
-import argparse
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -40,6 +39,7 @@ from ..assistant.target.loading import freeze, load_target
 from ..bundled import resolve_target_path
 from ..modeling.io import atomic_write_json
 from ..modeling.native_mtp import NativeMTPHead, TargetHiddenExtractor, load_native_mtp
+from .arguments import extract_parser
 from .data import OfflineFeatureDataset, TokenizedDataset, collate, load_dataset_records
 
 __all__ = [
@@ -293,43 +293,12 @@ def extract_features(
 # CLI: dmtp extract
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="dmtp extract", description="Extract frozen target + MTP features for offline draft training."
-    )
-    parser.add_argument("--target", required=True, help="target checkpoint (`bundled`: the bundled target)")
-    parser.add_argument("--data", required=True, help="chat or pre-tokenized JSONL")
-    parser.add_argument("--output", required=True, help="output feature directory")
-    parser.add_argument("--target-layer-ids", required=True, help="comma-separated 0-based target layers")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer path (default: the target)")
-    parser.add_argument("--max-length", type=int, default=4096)
-    parser.add_argument("--enable-thinking", choices=["true", "false", "unset"], default="unset")
-    parser.add_argument("--no-mtp", action="store_true", help="skip the MTP features (DFlash baseline)")
-    parser.add_argument(
-        "--head-inputs", action="store_true", help="also store the hidden the MTP head reads (to train the head)"
-    )
-    parser.add_argument(
-        "--target-labels",
-        action="store_true",
-        help="also store the target's greedy next token at every position (self-distillation on any text)",
-    )
-    parser.add_argument("--hidden-input", choices=["post_norm", "pre_norm"], default="post_norm")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--shard-size", type=int, default=1024)
-    parser.add_argument("--dtype", default="bfloat16", help="storage dtype of float features (or 'keep')")
-    parser.add_argument("--device", default=None)
-    parser.add_argument(
-        "--device-map", default=None, help="e.g. auto: spread a big target over this process's GPUs (Accelerate)"
-    )
-    return parser
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """``dmtp extract``: tokenize a dataset, run the frozen target and MTP head, write feature shards."""
 
     from accelerate import PartialState
 
-    args = _parser().parse_args(argv)
+    args = extract_parser().parse_args(argv)
     # Under `accelerate launch`, every process extracts its own shards (shard k goes to rank k % world size).
     state = PartialState(cpu=not torch.cuda.is_available())
     device = args.device or str(state.device)

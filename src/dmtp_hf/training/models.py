@@ -24,6 +24,7 @@ from torch import nn
 
 from ..assistant.target.loading import freeze
 from ..modeling import DMTPConfig, DMTPDraftModel, load_native_mtp
+from ..modeling.binding import target_identity
 from ..modeling.configuration_dmtp import DEFAULT_NUM_CANDIDATES
 from ..modeling.draft_vocab import frequency_ranked_vocabulary, set_draft_vocabulary
 from ..modeling.native_mtp import NativeMTPHead, new_mtp_head
@@ -52,6 +53,8 @@ def build_draft(config: TrainConfig, target: nn.Module, native_mtp: nn.Module | 
 
     From scratch, the backbone copies the target's width, heads and head size (DFlash convention); everything can be
     overridden in ``draft_config`` (``mask_token_id`` is required: the target embedding row used for MASK slots).
+    Either way the config records the target's identity (`binding.target_identity`), so that binding the trained
+    draft to another target warns.
     """
     layout = {"anchor_layout": config.anchor_layout, "fusion": config.fusion}
     if config.init_from:
@@ -63,6 +66,8 @@ def build_draft(config: TrainConfig, target: nn.Module, native_mtp: nn.Module | 
             # The recipe's block (T1..T7), whatever the DFlash checkpoint's own block size (decoding follows that)
             draft_config.num_candidates = DEFAULT_NUM_CANDIDATES
         draft_config.dflash_config.update(extra)
+        # the target it is trained for now (set before binding: no warning that init_from was for another one)
+        draft_config.dmtp_config["target_identity"] = target_identity(target)
         draft_config.validate_dmtp()
         draft = DMTPDraftModel.from_pretrained(config.init_from, config=draft_config)
         return draft.bind(target, native_mtp=native_mtp)
@@ -89,7 +94,9 @@ def build_draft(config: TrainConfig, target: nn.Module, native_mtp: nn.Module | 
     kwargs.update(config.draft_config)
     if kwargs.get("mask_token_id") is None:
         raise ValueError("A draft built from scratch needs draft_config.mask_token_id (the MASK embedding row).")
-    return DMTPDraftModel(DMTPConfig(**kwargs)).bind(target, native_mtp=native_mtp)
+    draft_config = DMTPConfig(**kwargs)
+    draft_config.dmtp_config["target_identity"] = target_identity(target)  # binding elsewhere warns if it differs
+    return DMTPDraftModel(draft_config).bind(target, native_mtp=native_mtp)
 
 
 def build_mtp_head(config: TrainConfig, target: nn.Module) -> NativeMTPHead | None:

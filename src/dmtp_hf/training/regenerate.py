@@ -11,7 +11,6 @@ they complete, and ids already in the output file are skipped (a truncated last 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from collections.abc import Sequence
@@ -21,6 +20,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from .arguments import regenerate_parser
 from .data import conversation_from_record, read_jsonl
 
 __all__ = ["EndpointError", "completed_ids", "main", "regenerate", "regenerate_endpoint"]
@@ -231,27 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``dmtp regenerate``: rewrite the assistant turns of a chat JSONL with the target (greedy by default)."""
     from ..assistant.target.loading import load_target
 
-    parser = argparse.ArgumentParser(prog="dmtp regenerate", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", help="target checkpoint (local generation)")
-    parser.add_argument("--endpoint", help="an OpenAI-compatible server URL instead (vLLM, SGLang, TGI)")
-    parser.add_argument("--model", default="default", help="--endpoint: the served model name")
-    parser.add_argument("--concurrency", type=int, default=8, help="--endpoint: records in flight")
-    parser.add_argument("--top-p", type=float, default=None, help="--endpoint: nucleus sampling")
-    parser.add_argument("--input", required=True, help="chat JSONL (OpenAI messages or ShareGPT conversations)")
-    parser.add_argument("--output", required=True, help="output JSONL (appended to; completed ids are skipped)")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer path (default: the target)")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--max-new-tokens", type=int, default=2048)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--enable-thinking", choices=["true", "false", "unset"], default="unset")
-    parser.add_argument("--limit", type=int, default=None, help="stop after this many records in total")
-    parser.add_argument("--device", default=None)
-    parser.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="auto: the checkpoint's dtype on GPU, float32 on CPU (bf16 is slow there)",
-    )
+    parser = regenerate_parser()
     args = parser.parse_args(argv)
     thinking = {"true": True, "false": False, "unset": None}[args.enable_thinking]
     if args.endpoint:

@@ -16,7 +16,6 @@ loss is normalised by the global total (times the number of processes, which DDP
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
 import math
@@ -35,6 +34,7 @@ from transformers import get_cosine_schedule_with_warmup
 
 from ..assistant.target.loading import freeze, load_target
 from ..modeling import DMTPDraftModel
+from .arguments import train_parser
 from .checkpoints import Checkpointer, weights_only_checkpoint
 from .config import TrainConfig
 from .data import collate, data_fingerprints, training_datasets
@@ -442,25 +442,9 @@ def build_accelerator(config: TrainConfig) -> Accelerator:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``dmtp train`` / ``scripts/finetune.py``: train a draft from a YAML config (``--set key=value`` overrides)."""
-    parser = argparse.ArgumentParser(
-        prog="dmtp train",
-        description=(
-            "Train a DMTP, DFlash or DFlash2 draft, an MTP head (native or retrofitted), or both jointly, "
-            "from a YAML config."
-        ),
-    )
-    parser.add_argument("--config", required=True, help="YAML training config (see configs/)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
-    parser.add_argument(
-        "--snapshot",
-        metavar="DIR",
-        help=(
-            "do not train: copy the run's newest checkpoint to DIR/step-N, weights in bfloat16 and no optimizer "
-            "state (small enough to commit; the run resumes from it, see docs/scaling.md)"
-        ),
-    )
-    args = parser.parse_args(argv)
+    args = train_parser().parse_args(argv)
     config = TrainConfig.from_yaml(args.config, args.set)
+    config.check_model_paths()
     if args.snapshot:
         print(weights_only_checkpoint(config.output_dir, args.snapshot))
         return 0

@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
 
+from ...local_paths import require_local_folder
 from ..configuration_dmtp import require_local_directory
 from ..draft_vocab import DRAFT_VOCAB_TENSORS
 from ..io import check_finite
@@ -370,8 +371,10 @@ def load_target_checkpoint(path: str | os.PathLike, **kwargs: Any) -> PreTrained
     (distilled, pruned, the tests' tiny ones) would warn about or mis-report those keys. The returned instance keeps
     the fitted ``_keys_to_ignore_on_load_unexpected`` (see `mtp_ignore_patterns`), which is where Transformers'
     ``MtpModel.from_pretrained`` (``use_mtp=True``) looks for the MTP keys. The instance's class is a subclass of the
-    Transformers class that only carries those patterns.
+    Transformers class that only carries those patterns. A missing folder that can only be local raises
+    ``FileNotFoundError`` before any Hub call.
     """
+    require_local_folder(path, "target checkpoint")  # a mistyped local path, not a minute of Hub retries
     config = AutoConfig.from_pretrained(path)
     patterns = mtp_ignore_patterns(config)
     if patterns is None:
