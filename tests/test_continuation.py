@@ -9,8 +9,9 @@ import pytest
 import torch
 from conftest import draft_for
 from test_lossless import TEMPERATURE, chi_square_p, exact_distribution
+from transformers import StaticCache
 
-from dmtp_hf.assistant import DMTPDrafter, speculative_decode
+from dmtp_hf.assistant import DMTPDrafter, MTPDrafter, speculative_decode
 from dmtp_hf_assets.tiny_targets import load_tiny_target, make_tiny_target
 
 
@@ -29,23 +30,26 @@ def new_tokens(rows: int, length: int, seed: int, vocab: int) -> torch.Tensor:
     return torch.randint(3, vocab - 2, (rows, length), generator=torch.Generator().manual_seed(seed))
 
 
-def conversation(target, assistant, rows: int, turns: int = 3, **generate_kwargs) -> list[tuple[torch.Tensor, int]]:
+def conversation(
+    target, assistant, rows: int, turns: int = 3, cache=None, **generate_kwargs
+) -> list[tuple[torch.Tensor, int]]:
     """``turns`` turns, each continuing the previous turn's cache: per turn, (sequences, cache length after it).
 
-    Turn 1 is a left-padded batch (rows of different lengths); every later turn appends a user turn to the whole
-    conversation so far, with the attention mask plain ``generate`` implies (generated tokens visible)."""
+    Turn 1 is a left-padded batch (rows of different lengths) and starts ``cache`` (``None``: the one ``generate``
+    makes); every later turn appends a user turn to the whole conversation so far, with the attention mask plain
+    ``generate`` implies (generated tokens visible)."""
     vocab = target.config.get_text_config().vocab_size
     ids = new_tokens(rows, 9, 0, vocab)
     mask = torch.ones_like(ids)
     if rows > 1:
         ids[1, :4], mask[1, :4] = 0, 0  # row 1 is shorter: left padding
-    cache, kwargs, out = None, dict(generate_kwargs), []
+    kwargs, out = dict(generate_kwargs), []
     if assistant is not None:
         kwargs["assistant_model"] = assistant
     for turn in range(turns):
         result = target.generate(ids, attention_mask=mask, cache=cache, return_dict_in_generate=True, **kwargs)
         cache = result.cache
-        out.append((result.sequences, cache.get_seq_length()))
+        out.append((result.sequences, int(cache.get_seq_length())))
         user = new_tokens(rows, 3 + turn, 100 + turn, vocab)
         generated = result.sequences.shape[1] - ids.shape[1]
         mask = torch.cat([mask, torch.ones(rows, generated + user.shape[1], dtype=mask.dtype)], dim=1)
@@ -68,6 +72,35 @@ def test_three_turns_each_continuing_the_cache_equal_plain_generate(models, fami
         assert torch.equal(our_ids, plain_ids), f"turn {turn + 1}"
         assert our_cached == plain_cached, f"turn {turn + 1}: the cache holds {our_cached}, plain's {plain_cached}"
     assert any((ids == eos).any() for ids, _ in plain)  # some turn really stopped a row at EOS
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "deepseek_v3"])
+def test_three_turns_continuing_a_static_cache_equal_plain_generate(models, family):
+    """A ``StaticCache`` continued turn after turn (batch size 1) by every drafting strategy and width: the prefill
+    of a later turn reads how many tokens the cache holds, which a static layer keeps in a tensor the prefill itself
+    advances. Static caches at batch size 2 are refused by name."""
+    target, draft = models[family]
+    greedy = dict(do_sample=False, max_new_tokens=12, pad_token_id=0)
+
+    def static_cache() -> StaticCache:
+        return StaticCache(config=target.config, max_cache_len=128)
+
+    eos = int(conversation(target, None, 1, turns=1, cache=static_cache(), **greedy)[0][0][0, -8])  # row 0 ends early
+    plain = conversation(target, None, 1, cache=static_cache(), eos_token_id=eos, **greedy)
+    assistants = {
+        "dmtp": (draft, None),
+        "mtp": (MTPDrafter(draft.native_mtp, 2), "auto"),
+        "dflash": (draft_for(target, anchor_layout="dflash", num_candidates=4), 0),
+    }
+    for name, (assistant, width) in assistants.items():
+        ours = conversation(
+            target, assistant, 1, cache=static_cache(), eos_token_id=eos, dmtp_verify_length=width, **greedy
+        )
+        for turn, ((plain_ids, plain_cached), (our_ids, our_cached)) in enumerate(zip(plain, ours, strict=True)):
+            assert torch.equal(our_ids, plain_ids), f"{name}, turn {turn + 1}"
+            assert our_cached == plain_cached, f"{name}, turn {turn + 1}: {our_cached} cached, plain {plain_cached}"
+    with pytest.raises(NotImplementedError, match="batch size 1"):
+        conversation(target, draft, 2, turns=1, cache=static_cache(), **greedy)
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "deepseek_v3"])

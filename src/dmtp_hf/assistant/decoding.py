@@ -155,7 +155,9 @@ def prefill(
 def cached_prompt_length(cache: Cache, prompt_length: int) -> int:
     """How many leading prompt tokens ``cache`` already holds (0 for a new cache). As in plain ``generate``, the
     prompt is the whole conversation so far: the cached tokens, then at least one new one."""
-    cached = cache.get_seq_length() if not all(cache.is_linear) else 0
+    # A number, not what the cache returns: a static layer's length is its write index itself, a tensor the prefill
+    # then advances in place (a slice taken after the prefill would start past the tail).
+    cached = int(cache.get_seq_length()) if not all(cache.is_linear) else 0
     if cached >= prompt_length:
         raise ValueError(
             f"The cache passed to generate already holds {cached} positions, but input_ids has {prompt_length} "
