@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from test_lossless import bundled  # noqa: F401 - the bundled target, its DMTP draft, tokenizer and a padded batch
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 import dmtp_hf
 from dmtp_hf.assistant.options import REFUSED_OPTIONS
@@ -51,6 +51,13 @@ def test_user_processors_and_prefix_constraints_match_plain_generate(bundled, ro
         ("output_hidden_states", True),
         ("output_attentions", True),
         ("dola_layers", "high"),
+        # Transformers' own assisted decoding: accepted and ignored before (issue #62, item 6)
+        ("num_assistant_tokens", 5),
+        ("num_assistant_tokens_schedule", "heuristic"),
+        ("assistant_confidence_threshold", 0.2),
+        ("assistant_lookbehind", 3),
+        ("target_lookbehind", 3),
+        ("max_matching_ngram_size", 2),
     ],
 )
 def test_options_that_cannot_be_exact_are_refused_naming_them(bundled, option, value):  # noqa: F811
@@ -64,6 +71,29 @@ def test_options_that_cannot_be_exact_are_refused_naming_them(bundled, option, v
     with pytest.raises(ValueError, match="inputs_embeds"):
         embeds = target.get_input_embeddings()(batch["input_ids"][:1])
         target.generate(inputs_embeds=embeds, assistant_model=draft, max_new_tokens=4)
+
+
+def test_assisted_decoding_options_are_refused_only_when_set_to_other_than_transformers_defaults(bundled):  # noqa: F811
+    """Transformers fills its defaults (20 tokens, "constant", 0.4, 10, 10) into every call's generation config: those
+    must pass, in the call or in a `generation_config`; another value, from either, is refused."""
+    target, draft, _, batch = bundled
+    inputs = {k: v[:1] for k, v in batch.items()}
+    defaults = dict(
+        num_assistant_tokens=20,
+        num_assistant_tokens_schedule="constant",
+        assistant_confidence_threshold=0.4,
+        assistant_lookbehind=10,
+        target_lookbehind=10,
+    )
+    plain = target.generate(**inputs, do_sample=False, max_new_tokens=6)
+    assert torch.equal(
+        plain, target.generate(**inputs, assistant_model=draft, do_sample=False, max_new_tokens=6, **defaults)
+    )
+    config = GenerationConfig(do_sample=False, max_new_tokens=6, **defaults)
+    assert torch.equal(plain, target.generate(**inputs, assistant_model=draft, generation_config=config))
+    config.num_assistant_tokens = 3
+    with pytest.raises(ValueError, match=r"^num_assistant_tokens=3 is not supported .*verify_length=N"):
+        target.generate(**inputs, assistant_model=draft, generation_config=config)
 
 
 @pytest.mark.parametrize("rows", [1, 3])

@@ -2,14 +2,38 @@
 
 Every option either keeps its plain-``generate`` meaning exactly (tested against plain ``generate``:
 docs/generate-options.md has the whole table) or is refused here with a message that names it and says what to do
-instead. Nothing is ignored silently.
+instead. Nothing is ignored silently: that includes the options of Transformers' own assisted decoding
+(``num_assistant_tokens``, ``assistant_confidence_threshold``, ...), which size a drafter this engine does not run;
+they are refused when set to anything but Transformers' defaults (which ``generate`` fills in for every call).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from transformers import GenerationConfig
+
 __all__ = ["REFUSED_OPTIONS", "check_generate_options"]
+
+# Inside `generate` Transformers fills every unset field with these, so a call that never named an option still
+# shows its default to `dmtp_custom_generate`: only a value other than the default can be the caller's.
+_TRANSFORMERS_DEFAULTS = GenerationConfig._get_default_generation_params()
+
+
+def _set_to_other_than_default(name: str):
+    """Whether a value of option ``name`` was set to something else than Transformers' default (None: unset)."""
+    default = _TRANSFORMERS_DEFAULTS.get(name)
+    return lambda value: value is not None and value != default
+
+
+# What Transformers' own assisted decoding reads to size and stop its drafter's rounds. A DMTP round drafts the
+# draft's K candidates in one pass and verifies them (or `verify_length` of them) in one target forward: these would
+# change nothing, and "nothing is ignored" (docs/generate-options.md).
+_ASSISTED_DECODING = (
+    "Transformers' own assisted decoding sizes its drafter's rounds with it; a DMTP round drafts the draft's K "
+    "candidates in one pass, so it would change nothing. For fewer draft tokens per round pass "
+    "dmtp_hf.generate(..., verify_length=N) (a fixed width, at most K) or verify_length='auto'"
+)
 
 # option -> (is it in use?, why it cannot be exact, what to do instead)
 REFUSED_OPTIONS: dict[str, tuple[Any, str]] = {
@@ -43,6 +67,28 @@ REFUSED_OPTIONS: dict[str, tuple[Any, str]] = {
         "dmtp_hf.generate(..., strategy='mtp')) as the assistant instead",
     ),
     "assistant_early_exit": (lambda v: v is not None, "early-exit drafting is another drafter: drop it"),
+    "num_assistant_tokens": (_set_to_other_than_default("num_assistant_tokens"), _ASSISTED_DECODING),
+    "num_assistant_tokens_schedule": (_set_to_other_than_default("num_assistant_tokens_schedule"), _ASSISTED_DECODING),
+    "assistant_confidence_threshold": (
+        _set_to_other_than_default("assistant_confidence_threshold"),
+        "Transformers' own assisted decoding stops drafting when its drafter's confidence falls below it; a DMTP "
+        "round drafts all K candidates in one pass, so it would change nothing. verify_length='auto' "
+        "(dmtp_hf.generate) verifies, per round, as many candidates as the draft's calibrated confidence pays for",
+    ),
+    "assistant_lookbehind": (
+        _set_to_other_than_default("assistant_lookbehind"),
+        "it aligns a drafter with another tokenizer (universal assisted decoding); a DMTP draft reads the target's "
+        "own tokens, so it would change nothing: drop it",
+    ),
+    "target_lookbehind": (
+        _set_to_other_than_default("target_lookbehind"),
+        "it aligns a drafter with another tokenizer (universal assisted decoding); a DMTP draft reads the target's "
+        "own tokens, so it would change nothing: drop it",
+    ),
+    "max_matching_ngram_size": (
+        lambda v: v is not None,
+        "it sizes prompt lookup (prompt_lookup_num_tokens), another drafter, so it would change nothing: drop it",
+    ),
     "output_attentions": (
         lambda v: bool(v),
         "a verify attends over K + 1 positions at once, so per-step attention maps as plain generate returns "
