@@ -52,13 +52,16 @@ def test_a_call_that_stops_early_allocates_the_same_whatever_its_budget(targets,
     assert (large.largest, large.total) == (small.largest, small.total)
 
 
-def test_a_budget_beyond_a_long_tensor_decodes_as_plain_generate(targets):
-    """``max_new_tokens=10**19`` (more than int64 holds) stops at EOS as plain ``generate`` does."""
-    target = targets["qwen3_5"]
+@pytest.mark.parametrize("family", ["qwen3_5", "deepseek_v3"])
+@pytest.mark.parametrize("budget", [2**62, 2**63 - 1, 2**63, 10**19, 2**64, 10**30])
+def test_a_budget_beyond_a_long_tensor_decodes_as_plain_generate(targets, family, budget):
+    """``max_new_tokens`` up to and past what int64 holds (``2**63`` and beyond, which a long tensor cannot take)
+    stops at EOS as plain ``generate`` does: every comparison with the budget uses the engine's clamped one."""
+    target = targets[family]
     draft = draft_for(target)
     prompt = torch.tensor([[7, 8, 9, 10]])
     eos = int(target.generate(prompt, do_sample=False, max_new_tokens=8)[0, prompt.shape[1] + 3])
-    options = dict(do_sample=False, max_new_tokens=10**19, eos_token_id=eos, pad_token_id=0)
+    options = dict(do_sample=False, max_new_tokens=budget, eos_token_id=eos, pad_token_id=0)
     assert torch.equal(target.generate(prompt, assistant_model=draft, **options), target.generate(prompt, **options))
 
 

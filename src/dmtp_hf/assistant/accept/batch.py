@@ -111,7 +111,7 @@ class ActiveBatch:
         batch = first.shape[0]
         device = first.device
         self.outputs = outputs
-        self.budget = min(budget, UNREACHABLE_BUDGET)
+        self.budget = min(budget, UNREACHABLE_BUDGET)  # what every comparison below uses: it fits a long tensor
         self.pad = pad
         self.columns = min(self.budget, INITIAL_COLUMNS)
         self.tokens = torch.full((batch, self.columns + 1), pad, dtype=torch.long, device=device)
@@ -122,8 +122,8 @@ class ActiveBatch:
         self.prompt_lengths = prompt_lengths  # [B] real prompt tokens
         self.anchor_positions = prompt_lengths.clone()  # [B] position of A, the last emitted token
         self.last_tokens = first  # [B] A itself
-        self.finished = self.num_generated >= budget
-        self.host = HostRows(list(range(batch)), [1] * batch, [budget <= 1] * batch)
+        self.finished = self.num_generated >= self.budget
+        self.host = HostRows(list(range(batch)), [1] * batch, [self.budget <= 1] * batch)
 
     @property
     def done(self) -> bool:
