@@ -188,6 +188,7 @@ def random_case(seed: int) -> dict:
         "oracle_seed": rng.randrange(10**6),
         "options": options,
         "verify_length": rng.choice([None, None, 0, 2, "auto"]),  # drawn last: earlier draws stay as they were
+        "static_cache": batch == 1 and pick(0.4),  # drawn after: static caches serve batch size 1
     }
 
 
@@ -198,6 +199,8 @@ def run_case(fuzz_models, case):
     ids = torch.tensor([[0] * (width - len(p)) + p for p in case["prompts"]])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in case["prompts"]])
     options = dict(case["options"], pad_token_id=0)
+    if case["static_cache"]:
+        options["cache_implementation"] = "static"
     if "stop_strings" in options:
         options["tokenizer"] = tokenizer
     plain = target.generate(ids, attention_mask=mask, do_sample=False, **options)
