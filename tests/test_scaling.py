@@ -82,7 +82,7 @@ def test_dmtp_serve_is_gone_and_says_where_serving_went(capsys):
     from dmtp_hf.cli import main
 
     assert main(["serve", "--target", "bundled"]) == 2
-    assert "vllm serve" in capsys.readouterr().err
+    assert "python -m vllm.entrypoints.openai.api_server" in capsys.readouterr().err
 
 
 def test_two_extraction_processes_write_the_same_features_as_one(tmp_path):

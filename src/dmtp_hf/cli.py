@@ -205,7 +205,8 @@ _DELEGATED = {
 }
 # Commands that were removed, and where their users should go.
 _REMOVED = {
-    "serve": "`dmtp serve` was removed: serve with vLLM and the dmtp-vllm plugin, `vllm serve TARGET "
+    "serve": "`dmtp serve` was removed: serve with vLLM and the dmtp-vllm plugin, "
+    "`python -m vllm.entrypoints.openai.api_server --model TARGET "
     '--speculative-config \'{"method": "dflash", "model": DMTP_VLLM_FOLDER, "num_speculative_tokens": 7}\'` '
     "(docs/serving.md); `dmtp regenerate --endpoint` talks to any OpenAI-compatible server.",
 }

