@@ -84,3 +84,17 @@ def test_an_all_padding_row_is_refused_by_name(targets):
     mask = torch.tensor([[1, 1, 1], [0, 0, 0]])
     with pytest.raises(ValueError, match=r"Row\(s\) \[1\] of attention_mask are all zeros"):
         target.generate(prompt, attention_mask=mask, assistant_model=draft, max_new_tokens=4, pad_token_id=0)
+
+
+@pytest.mark.parametrize("budget", [2**62, 10**19, 10**30])
+def test_the_fast_path_refuses_a_budget_it_would_have_to_allocate(targets, budget):
+    """The fast path reserves its draft state for the whole call: a budget meant as "until EOS" is refused by name
+    (not an overflow, not an allocation of that size); a budget it can hold still decodes as plain ``generate``."""
+    target = targets["deepseek_v3"]
+    draft = draft_for(target)
+    prompt = torch.tensor([[7, 8, 9, 10]])
+    with pytest.raises(ValueError, match="fast path"):
+        target.generate(prompt, assistant_model=draft, do_sample=False, max_new_tokens=budget, dmtp_fast_path=True)
+    options = dict(do_sample=False, max_new_tokens=12)
+    fast = target.generate(prompt, assistant_model=draft, dmtp_fast_path=True, **options)
+    assert torch.equal(fast, target.generate(prompt, **options))

@@ -24,6 +24,10 @@ from ..target.step import TargetStep
 from ..widths import AllCandidates, RoundWidth
 from .state import DFlashContext, MTPState
 
+# The most positions a fixed-shape (fast path) drafter state reserves per row: 2**20 slots of K/V per layer are
+# already gigabytes for a real draft; past it a budget means "until EOS", which only a growing state serves.
+MAX_FIXED_POSITIONS = 1 << 20
+
 
 def optional_stage(stats: SpecStats | None, name: str):
     """``stats.stage(name)``, or nothing to time when the caller keeps no statistics."""
@@ -188,6 +192,14 @@ class StatefulDrafter(Drafter):
 
     def reserve(self, max_positions: int) -> None:
         """Size fixed shapes for sequences of up to ``max_positions`` tokens (plus one verify's candidates)."""
+        if self.fixed_shapes and max_positions > MAX_FIXED_POSITIONS:
+            # fixed shapes allocate the whole call's slots up front: a budget meant as "until EOS" would be an
+            # allocation of that size, or an overflow
+            raise ValueError(
+                f"The fast path (dmtp_fast_path=True) reserves the draft's state for the whole call: {max_positions} "
+                f"positions, more than the {MAX_FIXED_POSITIONS} it can hold. Set max_new_tokens (or max_length) to "
+                "what the answer needs, or decode without the fast path, which grows its state as it goes."
+            )
         self.capacity = max_positions + self.num_candidates + 1
 
     def _check_capacity(self, step: TargetStep) -> None:
