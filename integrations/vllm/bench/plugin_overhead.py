@@ -52,13 +52,16 @@ def measure(target: str, prompts: list[dict], rounds: int, cores: set[int], eage
     }
 
 
-def chat_prompts(target: str, count: int, max_tokens: int) -> list[dict]:
-    """First user turns of the bundled GSM8K, HumanEval and MT-Bench sets, in turn, as chat-template token ids."""
+def chat_prompts(
+    target: str, count: int, max_tokens: int, names: tuple[str, ...] = ("gsm8k", "humaneval", "mt_bench")
+) -> list[dict]:
+    """First user turns of the bundled sets ``names`` (GSM8K, HumanEval and MT-Bench), in turn, as chat-template
+    token ids."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(target)
     sets = []
-    for name in ("gsm8k", "humaneval", "mt_bench"):
+    for name in names:
         with open(DATA / f"{name}.jsonl") as f:
             sets.append([json.loads(line)["turns"][0] for line in f])
     texts = [sets[i % len(sets)][i // len(sets)] for i in range(count)]

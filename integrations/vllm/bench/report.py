@@ -92,7 +92,10 @@ def main() -> None:
     """Print the tables of a results file (markdown)."""
     results = json.loads(Path(sys.argv[1]).read_text())
     for dtype in results["runs"]:
-        settings = results["settings"].get(dtype, results["settings"])
+        settings = results["settings"].get(dtype)
+        if settings is None:  # a run whose settings an older compare.py did not keep per dtype
+            print(f"Settings ({dtype}): not recorded.\n")
+            continue
         minutes = results.get("wall_seconds", {}).get(dtype, 0) / 60
         print(
             f"Settings ({dtype}): {settings['limit']} prompts per set, {settings['max_tokens']} new tokens, greedy; "

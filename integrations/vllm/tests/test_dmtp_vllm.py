@@ -136,15 +136,24 @@ def test_installing_the_plugin_costs_plain_vllm_nothing(target):
     """vLLM plain decoding with dmtp-vllm installed against the same engine with ``VLLM_PLUGINS=none``, both alive,
     interleaved (bench/plugin_overhead.py): the median ratio of their times per job stays at 1. The bound here is
     loose (0.90) because a shared two-core machine swings by 10 % between jobs; the report measures the goal
-    (>= 0.98) over more jobs. It catches what it was written for: installing the plugin once halved plain decoding."""
+    (>= 0.98) over more jobs. It catches what it was written for: installing the plugin once halved plain decoding.
+
+    A first sample below the bound is not yet a verdict: on a busy CI machine one sample of 8 jobs has read 0.86
+    where the same commit read 1.005 on an idle one. A second, larger sample is taken and the bound applies to the
+    median of all jobs together, which a real cost (a slowdown in every job) still fails."""
+    import statistics
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     from plugin_overhead import chat_prompts, measure
 
-    result = measure(str(target), chat_prompts(str(target), 4, 32), rounds=2, cores=set(range(os.cpu_count())))
-    assert result["identical"]
-    assert result["ratio"]["median"] >= 0.90, result
+    prompts, cores = chat_prompts(str(target), 4, 32), set(range(os.cpu_count()))
+    results = [measure(str(target), prompts, rounds=2, cores=cores)]
+    if results[0]["ratio"]["median"] < 0.90:
+        results.append(measure(str(target), prompts, rounds=4, cores=cores))
+    assert all(r["identical"] for r in results)
+    ratios = [n / p for r in results for p, n in zip(r["seconds"]["plugin"], r["seconds"]["none"], strict=True)]
+    assert statistics.median(ratios) >= 0.90, [r["ratio"] | {"jobs": r["jobs"]} for r in results]
 
 
 def assert_same_distribution(plain_samples: list, speculative: list) -> None:
