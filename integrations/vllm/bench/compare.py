@@ -36,7 +36,7 @@ from transformers import AutoTokenizer
 from dmtp_hf.evaluation.prompts import load_bundled_set, load_prompt_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workers import HERE, REPO, VLLM_PYTHON, Worker, interleaved, parse_cores, spread, vllm_env  # noqa: E402
+from workers import HERE, NGRAM, REPO, VLLM_PYTHON, Worker, interleaved, parse_cores, spread, vllm_env, vllm_worker  # noqa: E402
 
 BUNDLE = REPO / "assets" / "dmtp_hf_assets" / "models" / "smollm2"  # the repository-local assets package
 SETS = ["gsm8k", "humaneval", "mt_bench", "alpaca", "heldout_code", "heldout_chat"]
@@ -82,20 +82,18 @@ DMTP_POLICIES = {
 
 def methods(target: str, drafts: Path, dtype: str, threads: int, eager: bool) -> dict[str, tuple[list[str], dict]]:
     """Worker commands and their extra environment, by column label, for one dtype."""
-    vllm = [str(VLLM_PYTHON), str(HERE / "vllm_worker.py"), "--target", target, "--dtype", dtype]
-    vllm += ["--eager"] if eager else []
     spec = {
-        "n-gram": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
+        "n-gram": NGRAM,
         "DFlash": {"method": "dflash", "model": str(drafts / "dflash"), "num_speculative_tokens": 7},
     }
     dmtp = {"method": "dflash", "model": str(drafts / "dmtp"), "num_speculative_tokens": 7}
-    out = {f"vLLM plain {dtype}": (vllm, {})}
+    out = {f"vLLM plain {dtype}": (vllm_worker(target, dtype, eager), {})}
     out.update(
-        {f"vLLM {name} {dtype}": ([*vllm, "--speculative-config", json.dumps(c)], {}) for name, c in spec.items()}
+        {f"vLLM {name} {dtype}": (vllm_worker(target, dtype, eager, speculative=c), {}) for name, c in spec.items()}
     )
     for name, env in DMTP_POLICIES.items():
-        command = [*vllm, "--speculative-config", json.dumps(dmtp)]
-        out[f"vLLM {name} {dtype}"] = (command + (["--policy-report"] if "adaptive" in name else []), env)
+        command = vllm_worker(target, dtype, eager, speculative=dmtp, policy_report="adaptive" in name)
+        out[f"vLLM {name} {dtype}"] = (command, env)
     if dtype == "float32":
         hf = [sys.executable, str(HERE / "hf_worker.py"), "--target", target, "--threads", str(threads)]
         out["Transformers plain float32"] = (hf, {})

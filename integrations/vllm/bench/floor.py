@@ -19,23 +19,26 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plugin_overhead import chat_prompts  # noqa: E402
-from workers import HERE, REPO, VLLM_PYTHON, Worker, interleaved, parse_cores, spread, vllm_env  # noqa: E402
+from workers import REPO, Worker, interleaved, parse_cores, spread, vllm_env, vllm_worker  # noqa: E402
 
 NEVER_MATCHES = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 12, "prompt_lookup_max": 12}
 
 
 def engines(target: str, draft: str, dtype: str, max_num_seqs: int) -> dict[str, tuple[list[str], dict[str, str]]]:
     """Worker commands and their extra environment, by label."""
-    base = [str(VLLM_PYTHON), str(HERE / "vllm_worker.py"), "--target", target, "--dtype", dtype, "--eager"]
-    base += ["--max-num-seqs", str(max_num_seqs)]
-    dmtp = [
-        *base,
-        "--speculative-config",
-        json.dumps({"method": "dflash", "model": draft, "num_speculative_tokens": 7}),
-    ]
+    base = vllm_worker(target, dtype, max_num_seqs=max_num_seqs)
+    dmtp = vllm_worker(
+        target,
+        dtype,
+        max_num_seqs=max_num_seqs,
+        speculative={"method": "dflash", "model": draft, "num_speculative_tokens": 7},
+    )
     return {
         "plain": (base, {}),
-        "n-gram that never matches": ([*base, "--speculative-config", json.dumps(NEVER_MATCHES)], {}),
+        "n-gram that never matches": (
+            vllm_worker(target, dtype, max_num_seqs=max_num_seqs, speculative=NEVER_MATCHES),
+            {},
+        ),
         "DMTP verifying nothing": (dmtp, {"DMTP_VLLM_VERIFY": "none"}),
         "DMTP adaptive + lookup": (dmtp, {"DMTP_VLLM_VERIFY": "adaptive", "DMTP_VLLM_PROMPT_LOOKUP": "1"}),
     }

@@ -26,10 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plugin_overhead import chat_prompts  # noqa: E402
-from workers import HERE, REPO, VLLM_PYTHON, Worker, interleaved, parse_cores, spread, vllm_env  # noqa: E402
+from workers import NGRAM, REPO, Worker, interleaved, parse_cores, spread, vllm_env, vllm_worker  # noqa: E402
 
-# vLLM's n-gram as compare.py runs it (the same prompt-lookup n-grams as the plugin's lookup)
-NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 DMTP_LABEL = "DMTP adaptive + lookup"
 
 
@@ -38,16 +36,14 @@ def engines(
 ) -> dict[str, tuple[list[str], dict[str, str]]]:
     """Worker commands and their extra environment, by label (``profile``: the DMTP engine times each part of its
     round, ``DMTP_VLLM_PROFILE=1``, reported in its policy report)."""
-    base = [str(VLLM_PYTHON), str(HERE / "vllm_worker.py"), "--target", target, "--dtype", dtype, "--eager"]
-    base += ["--max-num-seqs", str(batch)]
     dmtp = {"method": "dflash", "model": draft, "num_speculative_tokens": 7}
+    dmtp_env = {"DMTP_VLLM_VERIFY": "adaptive", "DMTP_VLLM_PROMPT_LOOKUP": "1"}
     return {
-        "plain": (base, {}),
-        "n-gram": ([*base, "--speculative-config", json.dumps(NGRAM)], {}),
+        "plain": (vllm_worker(target, dtype, max_num_seqs=batch), {}),
+        "n-gram": (vllm_worker(target, dtype, max_num_seqs=batch, speculative=NGRAM), {}),
         DMTP_LABEL: (
-            [*base, "--speculative-config", json.dumps(dmtp), "--policy-report"],
-            {"DMTP_VLLM_VERIFY": "adaptive", "DMTP_VLLM_PROMPT_LOOKUP": "1"}
-            | ({"DMTP_VLLM_PROFILE": "1"} if profile else {}),
+            vllm_worker(target, dtype, max_num_seqs=batch, speculative=dmtp, policy_report=True),
+            dmtp_env | ({"DMTP_VLLM_PROFILE": "1"} if profile else {}),
         ),
     }
 

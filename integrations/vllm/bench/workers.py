@@ -13,6 +13,26 @@ REPO = Path(__file__).resolve().parents[3]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 HERE = Path(__file__).resolve().parent
 
+# vLLM's n-gram proposer as the benchmarks run it: n-grams of 2 to 4 tokens, like the plugin's prompt lookup
+NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
+def vllm_worker(
+    target: str,
+    dtype: str = "float32",
+    eager: bool = True,
+    max_num_seqs: int | None = None,
+    speculative: dict | None = None,
+    policy_report: bool = False,
+) -> list[str]:
+    """The command of a ``vllm_worker.py`` process: one engine for ``target`` (``speculative``: its speculative
+    config; ``policy_report``: answers carry the DMTP policy's counters)."""
+    command = [str(VLLM_PYTHON), str(HERE / "vllm_worker.py"), "--target", target, "--dtype", dtype]
+    command += ["--eager"] if eager else []
+    command += ["--max-num-seqs", str(max_num_seqs)] if max_num_seqs is not None else []
+    command += ["--speculative-config", json.dumps(speculative)] if speculative is not None else []
+    return command + (["--policy-report"] if policy_report else [])
+
 
 class Worker:
     """A method's worker process; ``run(prompts)`` sends one job and returns its answer."""
