@@ -303,3 +303,18 @@ def test_prompt_lookup_rounds_are_taken_where_lookup_is_the_better_bet():
     assert counters.lookup_rows > 0.3 * counters.rows, vars(counters)
     assert policy.lookup.prior[0] > 0.8  # it learned what lookup proposals commit
     assert DRAFT == 0 and LOOKUP == 1
+
+
+def test_a_step_the_race_makes_plain_is_known_before_anything_is_drafted():
+    """`plain_by_race` foretells `drafts`' race-forced plain steps (the vLLM plugin then defers the draft's state,
+    `dmtp_vllm.stash`): exactly those steps, and they verify nothing."""
+    world = World([0.6, 0.5, 0.4, 0.3], per_token=0.05, unreported=1.0)  # drafting loses: the race backs off
+    policy, rng, foreseen = RequestPolicy(K, Calibration()), random.Random(0), 0
+    for step in range(600):
+        predicted = policy.plain_by_race(2)
+        race_plain, plain = policy.counters.race_plain_steps, policy.counters.plain_steps
+        policy_step(policy, world, draw(world, rng, 2), step)
+        assert predicted == (policy.counters.race_plain_steps > race_plain), step
+        assert not predicted or policy.counters.plain_steps > plain, step
+        foreseen += predicted
+    assert foreseen > 300, foreseen

@@ -102,19 +102,30 @@ def hf_reference(tmp_path_factory, target, prompts) -> list[dict]:
     return json.loads((out / "reference.json").read_text())
 
 
+# What the DMTP proposer reads from the environment when an engine's workers start (make_engine sets or clears each).
+PLUGIN_ENVIRONMENT = ("DMTP_VLLM_VERIFY", "DMTP_VLLM_LEAN_STEPS", "DMTP_VLLM_PROPOSAL_LOG")
+
+
 def make_engine(
-    target: Path, speculative_config: dict | None, max_num_seqs: int = 16, eager: bool = True, verify: str | None = None
+    target: Path,
+    speculative_config: dict | None,
+    max_num_seqs: int = 16,
+    eager: bool = True,
+    verify: str | None = None,
+    environ: dict[str, str] | None = None,
 ):
     """A small fp32 vLLM engine on this CPU (prefix caching on). ``eager``: no torch.compile, which costs a minute
     or more per engine on two cores; the acceptance test runs vLLM's compiled default. ``verify``: the DMTP policy
     (``"all"`` or ``"adaptive"``; its workers read it from the environment when they start), else the plugin's
-    default."""
+    default; ``environ``: other ``PLUGIN_ENVIRONMENT`` variables for its workers (the rest are cleared)."""
     from vllm import LLM
 
-    if verify is None:
-        os.environ.pop("DMTP_VLLM_VERIFY", None)
-    else:
-        os.environ["DMTP_VLLM_VERIFY"] = verify
+    settings = {"DMTP_VLLM_VERIFY": verify, **(environ or {})}
+    for name in PLUGIN_ENVIRONMENT:
+        if settings.get(name) is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = settings[name]
     return LLM(
         model=str(target),
         dtype="float32",

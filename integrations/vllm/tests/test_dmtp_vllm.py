@@ -132,6 +132,36 @@ def test_every_proposal_verified_when_asked(target, exported, prompts, plain_tok
         close(engine)
 
 
+def by_position(log: list[tuple[str, int, list[int]]]) -> dict[tuple[int, int], list[int]]:
+    """Drafted rows keyed by (the request's rank in order of first appearance, position): two engines given the
+    same prompts in the same order key the same request alike."""
+    rank: dict[str, int] = {}
+    return {(rank.setdefault(request, len(rank)), position): row for request, position, row in log}
+
+
+def test_lean_plain_steps_leave_the_proposals_as_they_were(target, exported, prompts, plain_tokens):
+    """Plain steps that defer the draft's state to one catch-up pass when drafting resumes (``dmtp_vllm.stash``): at
+    the positions both engines drafted, the same T1 and the same block as an engine that kept the state every step
+    (requests joining and leaving during plain windows, four at a time). Rows cut from the catch-up would leave the
+    head and the block attending to positions never written."""
+    spec = {"method": "dflash", "model": str(exported["dmtp"]), "num_speculative_tokens": 7}
+    logs = {}
+    for name, lean in (("every step", None), ("lean", "3/6")):
+        environ = {"DMTP_VLLM_PROPOSAL_LOG": "1", "DMTP_VLLM_LEAN_STEPS": lean}
+        engine = make_engine(target, spec, max_num_seqs=4, verify="all", environ=environ)
+        try:
+            assert generate(engine, prompts) == plain_tokens
+            logs[name] = by_position(engine.collective_rpc("dmtp_proposal_log")[0])
+        finally:
+            close(engine)
+    full, lean = logs["every step"], logs["lean"]
+    common = sorted(full.keys() & lean.keys())
+    assert len(common) >= 100, (len(full), len(lean), len(common))
+    same_t1 = sum(full[k][0] == lean[k][0] for k in common) / len(common)
+    same_rows = sum(full[k] == lean[k] for k in common) / len(common)
+    assert same_t1 >= 0.97 and same_rows >= 0.9, (same_t1, same_rows, len(common))
+
+
 def test_installing_the_plugin_costs_plain_vllm_nothing(target):
     """vLLM plain decoding with dmtp-vllm installed against the same engine with ``VLLM_PLUGINS=none``, both alive,
     interleaved (bench/plugin_overhead.py): the median ratio of their times per job stays at 1. The bound here is

@@ -252,6 +252,12 @@ class RequestPolicy:
 
     # -- the step's questions ------------------------------------------------------------------------------------
 
+    def plain_by_race(self, batch: int) -> bool:
+        """Before anything else of a step of ``batch`` requests: will `drafts` make it plain by the race (a plain
+        window measuring, or drafting lost by the clock)? Then nothing the draft computes this step is verified, and
+        an engine may defer keeping the draft's state current until drafting resumes."""
+        return self._exploring(batch) is None and self.race.plain_now(bucket(batch))
+
     def drafts(self, lookup_counts: Any) -> bool:
         """Before T1: is the draft worth asking this step (see the module docstring)? Sets whether the step may
         verify anything at all (``plain``) and whether it is a probe."""

@@ -165,6 +165,7 @@ def install() -> None:
     # `llm.collective_rpc("dmtp_policy_report")` reads what the policy chose from every worker
     from vllm.v1.worker.worker_base import WorkerBase
 
-    from .report import policy_report
+    from .report import policy_report, proposal_log
 
     WorkerBase.dmtp_policy_report = policy_report
+    WorkerBase.dmtp_proposal_log = proposal_log

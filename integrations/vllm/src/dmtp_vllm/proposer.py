@@ -21,10 +21,21 @@ captured hidden states, and each request's bonus token (``next_token_ids``). For
    (0: a plain step for the request); vLLM's rejection sampler verifies each request's own count, so the output is
    the target's whatever the plan (greedy: token-identical).
 
+**Lean plain steps.** When the next step is plain for every request before anything is drafted (the policy's race
+backs off or measures plain steps, `dmtp_policy.race.PlainRace`; ``verify: "none"``) and the step that just ran
+verified nothing, step 1 is deferred: the step's rows go to a stash (`dmtp_vllm.stash`) and the head's layer and the
+context K/V run over all stashed rows at once when drafting resumes (or the stash holds a step's token budget), so
+a plain step of a DMTP engine costs about what vLLM's own does. The catch-up runs after the step is timed: the race
+charges it to the drafting it resumes.
+
 With ``verify: "all"`` (the draft folder's ``dmtp_config.vllm``, or ``DMTP_VLLM_VERIFY=all``) every request verifies
 all K proposals every step, as vLLM's DFlash does; ``"adaptive"`` (the default) runs the policy, with prompt lookup
 unless ``prompt_lookup`` is false (``DMTP_VLLM_PROMPT_LOOKUP=0``); ``"none"`` verifies nothing and only keeps the
-draft's state (what a plain step of a DMTP engine costs, for measurements).
+draft's state (what a plain step of a DMTP engine costs, for measurements). ``DMTP_VLLM_LEAN_STEPS=k/n`` (tests and
+measurements, with ``"all"``): of every n steps, k are lean plain steps, the first of them keeping the state itself
+when the step before it verified proposals. ``DMTP_VLLM_PROPOSAL_LOG=1`` keeps every drafted row (request, the
+position of the token it follows, the proposals) in ``proposal_log`` (``collective_rpc("dmtp_proposal_log")``), so
+tests compare what two engines proposed at the same positions.
 
 Draft tokens are greedy (vLLM's default ``draft_sample_method``); the probabilistic draft method would need T1's
 ``q`` next to the block's, which is not wired yet and is refused at start.
@@ -49,6 +60,7 @@ from dmtp_policy.ledger import ProposalLedger
 from dmtp_policy.requests import DRAFT, LOOKUP
 
 from .model import DFlashDMTPDraftModel
+from .stash import DraftStateStash
 
 __all__ = ["DMTPProposer", "PolicyOptions"]
 
@@ -73,6 +85,14 @@ class PolicyOptions:
             raise ValueError(f"DMTP verify must be one of {VERIFY_MODES}, got {self.verify!r}")
         lookup = environ.get("DMTP_VLLM_PROMPT_LOOKUP")
         self.prompt_lookup = stored.get("prompt_lookup", True) if lookup is None else lookup not in ("0", "false")
+        # (k, n): of every n steps, k plain ones (DMTP_VLLM_LEAN_STEPS=k/n; "all" only, for tests and measurements)
+        self.plain_steps: tuple[int, int] | None = None
+        pattern = environ.get("DMTP_VLLM_LEAN_STEPS")
+        if pattern:
+            k, _, n = pattern.partition("/")
+            if not (k.isdigit() and n.isdigit() and 0 < int(k) < int(n)) or self.verify != "all":
+                raise ValueError(f"DMTP_VLLM_LEAN_STEPS must be k/n with 0 < k < n, with verify 'all'; got {pattern!r}")
+            self.plain_steps = (int(k), int(n))
 
 
 class DMTPProposer(DFlashProposer):
@@ -98,6 +118,13 @@ class DMTPProposer(DFlashProposer):
             calibration = Calibration.from_dict(dmtp.get("acceptance_calibration"))
             self.policy = RequestPolicy(spec.num_speculative_tokens, calibration, lookup=self.options.prompt_lookup)
         self.ledger = ProposalLedger()
+        # plain steps' rows, written into the draft's caches when drafting resumes (module docstring: lean steps)
+        self.stash = DraftStateStash(vllm_config.scheduler_config.max_num_batched_tokens)
+        self._verifying = False  # the last plan verified something (the rows of the step it scheduled carry proposals)
+        self._steps = 0
+        self.proposal_log: list[tuple[str, int, list[int]]] | None = (
+            [] if os.environ.get("DMTP_VLLM_PROPOSAL_LOG") == "1" else None
+        )
         self._first_candidate: tuple[torch.Tensor, torch.Tensor] | None = None  # (T1 [B], g [B, H]) of this step
         self._slot_confidence: torch.Tensor | None = None  # [B * K] of the block's last pass
         self._last_end: float | None = None  # when the previous propose returned
@@ -136,8 +163,22 @@ class DMTPProposer(DFlashProposer):
         width = self.model.context_width
         context, last_layer = target_hidden_states[:, :width], target_hidden_states[:, width:]
         pairs = (target_token_ids, target_positions, next_token_ids, token_indices_to_sample, cad)
-        # 0. what the last step showed (nothing to learn when every proposal is verified)
+        self._steps += 1
+        # 0. what the last step showed and cost (nothing to learn when every proposal is verified); a step that
+        # verified nothing committed a token per decoding request
         step = None
+        timed = self.policy is not None and not self._verifying
+        if timed:
+            with self._section("verdict"):
+                committed = int(StepVerdict.decoding_rows(self.runner.input_batch, cad).sum())
+            self._step_timed(requests, target_token_ids.shape[0], committed)
+        if self._plain_next(len(requests)):
+            if not self._verifying:  # nothing to judge, every row committed: the state can wait (lean step)
+                return self._lean_step(requests, context, last_layer, *pairs)
+            if self.policy is None:  # verify "none" or a plain window of "all": keep the state, plan nothing
+                self._update_state(context, last_layer, num_rejected_tokens_gpu, *pairs)
+                self._verifying = False
+                return [[] for _ in requests]
         if self.policy is not None:
             with self._section("verdict"):
                 step = StepVerdict(
@@ -145,22 +186,18 @@ class DMTPProposer(DFlashProposer):
                 )
                 self.policy.learn(requests, step.verified, step.accepted)
                 self._judge(requests, step)
-        # 1. state: the head's layer over the new pairs (g of every request), prompt lookup
+            if not timed:
+                self._step_timed(requests, target_token_ids.shape[0], step.committed)
+        # 1. state: the stashed rows of lean steps (after the step was timed: the race charges the catch-up to the
+        # drafting it resumes), the head's layer over the new pairs (g of every request), prompt lookup
+        if self.stash.rows:
+            self._catch_up(requests, cad)
         with self._section("mtp_layer"):
             g = self._mtp_hidden(last_layer, *pairs)
         with self._section("lookup"):
             lookup, lookup_counts = self._prompt_lookup(step, len(requests), num_speculative_tokens)
-        now = time.perf_counter()
-        if self.policy is not None and self._last_end is not None:
-            seconds, cycle = now - self._last_end, now - self._last_timed
-            self.policy.step_timed(requests, target_token_ids.shape[0], seconds, step.committed, cycle_seconds=cycle)
-        self._last_timed = now  # the whole engine cycle runs from here to here next step (the race's clock)
         # 2. T1 and 3. the block, when they pay (else only the block's context K/V)
         proposals = confidence = None
-        if self.options.verify == "none":
-            self._store_context(context, num_rejected_tokens_gpu, *pairs)
-            self._last_end = time.perf_counter()
-            return [[] for _ in requests]
         with self._section("policy"):
             asked = self.policy is None or self.policy.drafts(lookup_counts)
         if asked:
@@ -181,10 +218,110 @@ class DMTPProposer(DFlashProposer):
         # 4. the plan: per request, which proposals and how many
         with self._section("plan"):
             out = self._plan(requests, step, proposals, confidence, lookup, lookup_counts)
+        self._verifying = any(out)
+        if self.proposal_log is not None and proposals is not None:
+            self._log_proposals(requests, proposals, target_positions, token_indices_to_sample, cad)
         self._last_end = time.perf_counter()
         return out
 
     # -- the pieces of the round -------------------------------------------------------------------------------
+
+    def _plain_next(self, batch: int) -> bool:
+        """Whether the next step verifies nothing whatever the draft would propose: the race forces it (a plain
+        window, or drafting lost by the clock), ``verify: "none"``, or a plain window of ``DMTP_VLLM_LEAN_STEPS``."""
+        if self.policy is not None:
+            return self.policy.plain_by_race(batch)
+        if self.options.verify == "none":
+            return True
+        if self.options.plain_steps is None:
+            return False
+        plain, every = self.options.plain_steps
+        return self._steps % every < plain
+
+    def _step_timed(self, requests: list[str], tokens: int, committed: int) -> None:
+        """The policy learns what the step that just ran cost: ``seconds`` from the end of the last propose to here
+        (the target's step; the draft's state and stages are timed apart), and the engine's whole ``cycle`` since
+        the last step was timed (what the race compares)."""
+        now = time.perf_counter()
+        if self._last_end is not None:
+            seconds, cycle = now - self._last_end, now - self._last_timed
+            self.policy.step_timed(requests, tokens, seconds, committed, cycle_seconds=cycle)
+        self._last_timed = now
+
+    def _lean_step(
+        self,
+        requests: list[str],
+        context: torch.Tensor,
+        last_layer: torch.Tensor,
+        target_token_ids: torch.Tensor,
+        target_positions: torch.Tensor,
+        next_token_ids: torch.Tensor,
+        token_indices_to_sample: torch.Tensor | None,
+        cad: CommonAttentionMetadata,
+    ) -> list[list[int]]:
+        """A plain step whose predecessor verified nothing: the policy's bookkeeping, and the rows stashed instead of
+        the state's update (module docstring)."""
+        num_tokens = target_token_ids.shape[0]
+        if self.policy is not None:  # (the step was timed already)
+            with self._section("policy"):
+                nothing = torch.zeros(len(requests), dtype=torch.long)
+                drafted = self.policy.drafts(nothing)  # False: the race forces the step plain
+                self.policy.choose(requests, None, nothing)
+            assert not drafted
+        with self._section("stash"):
+            if not self.stash.fits(num_tokens):
+                self._catch_up(requests, cad)
+            batch = len(requests)
+            starts = cad.query_start_loc_cpu[: batch + 1]
+            pair_tokens = self._pair_tokens(target_token_ids, next_token_ids, token_indices_to_sample, cad)
+            slots = cad.slot_mapping[:num_tokens]
+            self.stash.add(
+                requests, starts[1:] - starts[:-1], target_positions, slots, pair_tokens, last_layer, context
+            )
+        self._verifying = False
+        self._last_end = time.perf_counter()
+        return [[] for _ in requests]
+
+    def _catch_up(self, requests: list[str], cad: CommonAttentionMetadata) -> None:
+        """The stashed rows of this batch's requests through the head's layer and into the block's context K/V, one
+        causal query per request ending at its last stashed position (as a chunked prefill)."""
+        with self._section("catch_up"):
+            catch = self.stash.take(requests, alive=set(getattr(self.runner, "requests", {})) or None)
+            if catch is not None:
+                rows, device = catch.rows, cad.query_start_loc.device
+                starts = torch.zeros(catch.query_lengths.shape[0] + 1, dtype=torch.int32)
+                starts[1:] = torch.cumsum(catch.query_lengths, 0)
+                seq_lens = catch.seq_lengths.to(torch.int32)
+                metadata = CommonAttentionMetadata(
+                    query_start_loc=starts.to(device),
+                    query_start_loc_cpu=starts,
+                    seq_lens=seq_lens.to(device),
+                    num_reqs=starts.shape[0] - 1,
+                    num_actual_tokens=len(rows),
+                    max_query_len=int(catch.query_lengths.max()),
+                    max_seq_len=int(seq_lens.max()),
+                    block_table_tensor=cad.block_table_tensor[catch.batch_rows.to(device)],
+                    slot_mapping=rows.slots,
+                    causal=True,
+                    seq_lens_cpu_upper_bound=seq_lens,
+                    positions=rows.positions,
+                )
+                self._run_head(rows.pair_tokens, self._head_input(rows.hidden), rows.positions, metadata)
+                context = self.model.combine_hidden_states(rows.context)
+                self.model.precompute_and_store_context_kv(context, rows.positions, rows.slots)
+
+    def _update_state(
+        self,
+        context: torch.Tensor,
+        last_layer: torch.Tensor,
+        num_rejected_tokens_gpu: torch.Tensor | None,
+        *pairs: Any,
+    ) -> None:
+        """Step 1 without a plan: the head's layer and the block's context K/V over the step's rows."""
+        if self.stash.rows:
+            self._catch_up(list(self.runner.input_batch.req_ids[: pairs[-1].batch_size()]), pairs[-1])
+        self._mtp_hidden(last_layer, *pairs)
+        self._store_context(context, num_rejected_tokens_gpu, *pairs)
 
     def _mtp_hidden(
         self,
@@ -196,15 +333,39 @@ class DMTPProposer(DFlashProposer):
         cad: CommonAttentionMetadata,
     ) -> torch.Tensor:
         """Step 1 of the module docstring: ``g`` ``[B, H]``, the head's output at each request's last valid pair."""
-        head = self.model.mtp
-        # The head reads the hidden fed to the LM head (post-norm) unless trained on the pre-norm one.
-        hidden = self._target_final_norm(last_layer) if self.model.mtp_hidden_input == "post_norm" else last_layer
         if token_indices_to_sample is None:
             token_indices_to_sample = cad.query_start_loc[1:] - 1
-        pair_tokens = torch.zeros_like(target_token_ids)  # x_{t+1} of the pair at t (0 past the last request)
+        pair_tokens = self._pair_tokens(target_token_ids, next_token_ids, token_indices_to_sample, cad)
+        g = self._run_head(pair_tokens, self._head_input(last_layer), target_positions, cad)  # [N, H]
+        return g[token_indices_to_sample]  # [B, H]: predicts the token after each bonus
+
+    def _head_input(self, last_layer: torch.Tensor) -> torch.Tensor:
+        """What the head reads of the target: the hidden fed to the LM head (post-norm) unless it was trained on the
+        pre-norm one."""
+        return self._target_final_norm(last_layer) if self.model.mtp_hidden_input == "post_norm" else last_layer
+
+    @staticmethod
+    def _pair_tokens(
+        target_token_ids: torch.Tensor,
+        next_token_ids: torch.Tensor,
+        token_indices_to_sample: torch.Tensor | None,
+        cad: CommonAttentionMetadata,
+    ) -> torch.Tensor:
+        """``[N]`` x_{t+1} of the pair at each processed position t: the next processed token, each request's bonus
+        at its last valid slot (0 past the last request)."""
+        if token_indices_to_sample is None:
+            token_indices_to_sample = cad.query_start_loc[1:] - 1
+        pair_tokens = torch.zeros_like(target_token_ids)
         pair_tokens[:-1] = target_token_ids[1:]
         pair_tokens[token_indices_to_sample] = next_token_ids.to(pair_tokens.dtype)
-        num_tokens = target_token_ids.shape[0]
+        return pair_tokens
+
+    def _run_head(
+        self, pair_tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cad: CommonAttentionMetadata
+    ) -> torch.Tensor:
+        """The head's layer over the pairs ``[N]``/``[N, H]`` at ``positions``, its K/V written at ``cad``'s slots:
+        ``g`` ``[N, H]``."""
+        num_tokens = pair_tokens.shape[0]
         # The target's causal metadata over these positions; the base (EAGLE) builder, not DFlash's non-causal one.
         _, per_layer = SpecDecodeBaseProposer.build_per_group_and_layer_attn_metadata(self, cad)
         slots = cad.slot_mapping[:num_tokens]
@@ -214,8 +375,7 @@ class DMTPProposer(DFlashProposer):
             num_tokens=num_tokens,
             slot_mapping={name: slots for name in self._draft_attn_layer_names},
         ):
-            g = head(self.model.model.embed_tokens(pair_tokens), hidden, target_positions)  # [N, H]
-        return g[token_indices_to_sample]  # [B, H]: predicts the token after each bonus
+            return self.model.mtp(self.model.model.embed_tokens(pair_tokens), hidden, positions)
 
     def _block(
         self,
@@ -338,6 +498,22 @@ class DMTPProposer(DFlashProposer):
             judged += self.ledger.resolve(request, step.history[row], int(step.history_lengths[row]))
         self.policy.learn_judged(judged)
 
+    def _log_proposals(
+        self,
+        requests: list[str],
+        proposals: torch.Tensor,
+        target_positions: torch.Tensor,
+        token_indices_to_sample: torch.Tensor | None,
+        cad: CommonAttentionMetadata,
+    ) -> None:
+        """``proposal_log``: each request's drafted row, keyed by the position of the last token it follows (the
+        bonus's; ``DMTP_VLLM_PROPOSAL_LOG=1``, a host sync per step)."""
+        if token_indices_to_sample is None:
+            token_indices_to_sample = cad.query_start_loc[1:] - 1
+        positions = (target_positions[token_indices_to_sample] + 1).tolist()
+        for request, position, row in zip(requests, positions, proposals.tolist(), strict=True):
+            self.proposal_log.append((request, position, row))
+
     def _stage(self, name: str):
         """A drafter stage, timed for the policy (and for the profile)."""
         return _Timed(self.policy, name, self.profile)
@@ -401,6 +577,16 @@ class StepVerdict:
     tokens with this step's committed ones (what prompt lookup searches; its next proposal is for position
     ``lengths``). ``history``/``history_lengths``: the tokens committed before this step (the runner's own buffer).
     """
+
+    @staticmethod
+    def decoding_rows(input_batch: Any, cad: CommonAttentionMetadata) -> torch.Tensor:
+        """``[B]`` whether each request of the step produced a token (a prefill chunk that is not the prompt's last
+        does not): what a step that verified nothing committed."""
+        batch = cad.batch_size()
+        starts = cad.query_start_loc_cpu[: batch + 1].long()
+        before = torch.from_numpy(input_batch.num_tokens_no_spec[:batch]).long()
+        computed = torch.from_numpy(input_batch.num_computed_tokens_cpu[:batch]).long()
+        return computed + starts[1:] - starts[:-1] >= before
 
     def __init__(
         self,

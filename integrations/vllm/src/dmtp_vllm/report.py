@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-__all__ = ["policy_report"]
+__all__ = ["policy_report", "proposal_log"]
 
 
 def policy_report(worker: Any) -> dict[str, Any] | None:
@@ -33,3 +33,11 @@ def policy_report(worker: Any) -> dict[str, Any] | None:
         "spent": dict(policy.spent),  # seconds of every step, and of the stages cost probes ran
         "profile": drafter.profile,  # seconds per part of the round, summed (DMTP_VLLM_PROFILE=1), else None
     }
+
+
+def proposal_log(worker: Any) -> list[tuple[str, int, list[int]]] | None:
+    """One worker's drafted rows ``(request, position of the token they follow, proposals)`` since the engine started
+    (``DMTP_VLLM_PROPOSAL_LOG=1``; else ``None``): ``llm.collective_rpc("dmtp_proposal_log")``."""
+    drafter = getattr(getattr(worker, "model_runner", None), "drafter", None)
+    log = getattr(drafter, "proposal_log", None)
+    return None if log is None else list(log)
