@@ -19,10 +19,16 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-__all__ = ["FREE_WINDOW", "PLAIN_WINDOW", "PlainRace"]
+__all__ = ["FREE_WINDOW", "PLAIN_WINDOW", "PlainRace", "free_window"]
 
-# Steps of a free window (the policy's own choice): enough that acceptance noise averages out over a few rounds.
+# Steps of a free window (the policy's own choice) at one request: enough that acceptance noise averages out over a
+# few rounds. A batch of B requests sees B rounds a step, so its windows are shorter (`free_window`: over B to the
+# BATCH_EXPONENT, down to MIN_FREE_WINDOW steps): a window that loses costs B requests at once. Not over the square
+# root: a window must also outlast swings of the machine's load, which do not shrink with the batch (simulated in
+# tests/test_policy.py: 0.5 lost to prompt lookup alone under a swinging load at 4 requests, 0.35 did not).
 FREE_WINDOW = 32
+MIN_FREE_WINDOW = 8
+BATCH_EXPONENT = 0.35
 # Steps of a plain window: plain steps vary little, a few measure their rate at the load of the moment.
 PLAIN_WINDOW = 6
 # Free windows judged against one plain window before the plain rate is measured again (the load moves): few
@@ -36,8 +42,15 @@ MARGIN = 0.03
 # windows keep losing, up to the longest.
 FIRST_WAIT = 64
 MAX_WAIT = 1024
-# While backing off, a free window is a probe: shorter, it costs less when drafting still loses.
-PROBE_WINDOW = 16
+# While backing off, a free window is a probe: half as long, it costs less when drafting still loses.
+PROBE_SHARE = 0.5
+
+
+def free_window(batch: int, probing: bool = False) -> int:
+    """Steps of a free window of ``batch`` requests: `FREE_WINDOW` over ``batch ** BATCH_EXPONENT`` (acceptance noise
+    falls with the rounds a window sees), at least `MIN_FREE_WINDOW`; half that for a probe while backing off."""
+    steps = max(MIN_FREE_WINDOW, round(FREE_WINDOW / batch**BATCH_EXPONENT))
+    return max(MIN_FREE_WINDOW // 2, round(steps * PROBE_SHARE)) if probing else steps
 
 
 @dataclass
@@ -102,7 +115,7 @@ class PlainRace:
             return
         self.plain = _Window()  # a plain window cut short by free steps measures nothing
         self.free.add(tokens / batch, seconds)
-        if self.free.steps < (PROBE_WINDOW if self.backing_off else FREE_WINDOW) or self.plain_rate is None:
+        if self.free.steps < free_window(batch, self.backing_off) or self.plain_rate is None:
             return
         ratio = self.free.rate / self.plain_rate
         self.ratios.append(ratio)
