@@ -46,6 +46,14 @@ HELD_OUT = {
 }
 
 
+def build_held_out_sets() -> None:
+    """The held-out sets come from the offline corpus (`scripts/reproduce/build_corpus.py`, seconds, deterministic):
+    built when missing."""
+    if not all((REPO / path).is_file() for path in HELD_OUT.values()):
+        script = REPO / "scripts" / "reproduce" / "build_corpus.py"
+        subprocess.run([sys.executable, str(script), "--out", str(REPO / "outputs" / "corpus")], check=True, cwd=REPO)
+
+
 def load_prompts(tokenizer, limit: int, max_tokens: int) -> dict[str, list[dict]]:
     """The first user turn of the first ``limit`` prompts of each set, as chat-template token ids."""
     sets = {}
@@ -170,6 +178,7 @@ def main() -> None:
     cores = parse_cores(args.cores)
     drafts = REPO / "outputs" / "vllm" / "drafts"  # exported fp32 folders (tens of MB): not committed
     export_drafts(args.target, drafts)
+    build_held_out_sets()
     sets = load_prompts(AutoTokenizer.from_pretrained(args.target), args.limit, args.max_tokens)
     previous = json.loads(args.output.read_text()) if args.output.is_file() else {}
     settings = vars(args) | {"output": str(args.output), "cpu_count": os.cpu_count(), "eager": not args.compiled}

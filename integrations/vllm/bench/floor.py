@@ -1,9 +1,10 @@
 """What a speculative engine pays in vLLM before it drafts anything: the same prompts on vLLM plain, on an n-gram
 engine whose n-gram never matches (vLLM's own speculative machinery, no proposal ever verified), on a DMTP engine
-that verifies nothing (``DMTP_VLLM_VERIFY=none``: the MTP head's layer and the block's context K/V every step, what
-a plain step of a DMTP engine costs) and on DMTP under its default policy; every engine alive, jobs interleaved (the
-order rotating), at one request and at ``--batch`` requests per job. Prints each engine's tokens per second and its
-time ratio to plain per job (median, min-max), writes ``reports/vllm/floor.json``.
+that verifies nothing (``DMTP_VLLM_VERIFY=none``: lean plain steps, the draft's state caught up in one pass per step
+budget of rows, what a plain step of a DMTP engine costs while the race backs off) and on DMTP under its default
+policy; every engine alive, jobs interleaved (the order rotating), at one request and at ``--batch`` requests per
+job. Prints each engine's tokens per second and its time ratio to plain per job (median, min-max), writes
+``reports/vllm/floor.json``.
 
     .venv/bin/python integrations/vllm/bench/floor.py          # after `make test-vllm`; eager engines
 """

@@ -7,8 +7,9 @@ methods, and ``SpeculativeConfig`` refuses method names it does not know. A DMTP
 ``DFlashProposer`` the runner built for a `DMTPProposer` when the draft's architecture is DMTP's. Nothing changes
 for any other draft.
 
-It also gives vLLM's workers one method, ``dmtp_policy_report`` (`report.policy_report`), so that
-``llm.collective_rpc("dmtp_policy_report")`` reads what the DMTP policy chose.
+It also gives vLLM's workers two methods, ``dmtp_policy_report`` (`report.policy_report`) and
+``dmtp_proposal_log`` (`report.proposal_log`), so that ``llm.collective_rpc("dmtp_policy_report")`` reads what the
+DMTP policy chose and ``collective_rpc("dmtp_proposal_log")`` what the draft proposed (``DMTP_VLLM_PROPOSAL_LOG=1``).
 
 The CPU build's stand-in for the ``expand`` kernel of vLLM's rejection sampler (``cpu_triton_utils.
 _expand_kernel_impl`` in vLLM 0.32) converts its output tensor to int64 and computes into that copy, so a float
@@ -162,7 +163,8 @@ def install() -> None:
 
     __init__._dmtp_installed = True  # type: ignore[attr-defined]
     runner_class.__init__ = __init__
-    # `llm.collective_rpc("dmtp_policy_report")` reads what the policy chose from every worker
+    # `llm.collective_rpc("dmtp_policy_report")` reads what the policy chose from every worker (and what the draft
+    # proposed: "dmtp_proposal_log")
     from vllm.v1.worker.worker_base import WorkerBase
 
     from .report import policy_report, proposal_log
