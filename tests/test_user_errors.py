@@ -32,6 +32,11 @@ def test_what_can_only_be_a_local_path(tmp_path, monkeypatch):
     require_local_folder(tmp_path / "runs")
     with pytest.raises(FileNotFoundError, match=r"No --target folder at 'runs/my-dmtp' \(the nearest existing"):
         require_local_folder("runs/my-dmtp", "--target")
+    # the same text is a valid Hub id: the message says why it was read as local, and how to reach the Hub repo
+    with pytest.raises(FileNotFoundError, match=r"because a folder 'runs' exists in the current directory \(to load"):
+        require_local_folder("runs/my-dmtp")
+    with pytest.raises(FileNotFoundError, match=r"It can only be a local path"):
+        require_local_folder("./runs/my-dmtp")
 
 
 @pytest.fixture(autouse=True)

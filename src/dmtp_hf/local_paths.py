@@ -47,7 +47,16 @@ def require_local_folder(path: str | os.PathLike | None, what: str = "checkpoint
         raise FileNotFoundError(f"The {what} {os.fspath(path)!r} is a file, not a checkpoint folder.")
     existing = next((parent for parent in folder.parents if parent.is_dir()), None)
     nearest = f" (the nearest existing folder is {str(existing)!r})" if existing not in (None, Path(".")) else ""
+    text = os.fspath(path)
+    why = "It can only be a local path"
+    if isinstance(path, str) and not text.startswith((".", "/", "~")) and text.count("/") == 1:
+        # local only because its parent folder exists here: the same text is a valid Hub id
+        parent = text.split("/")[0]
+        why = (
+            f"It is read as a local path because a folder {parent!r} exists in the current directory (to load the "
+            f"Hub repo {text!r}, run from another directory)"
+        )
     raise FileNotFoundError(
-        f"No {what} folder at {os.fspath(path)!r}{nearest}. It can only be a local path, so the Hugging Face Hub "
-        "was not asked: check the spelling (a Hub id is namespace/name)."
+        f"No {what} folder at {text!r}{nearest}. {why}, so the Hugging Face Hub was not asked: check the spelling "
+        "(a Hub id is namespace/name)."
     )
