@@ -212,18 +212,25 @@ def test_sampling_keeps_the_distribution_under_the_adaptive_policy(target, expor
     """The adaptive policy at four requests per step: requests of one step verify different numbers of proposals,
     from the draft or from prompt lookup, and vLLM's rejection sampler (with the plugin's expand kernel) must keep
     the target's distribution through every mix. At temperature 1 on this CPU it verifies fewer proposals than
-    with every one verified, so the bar for "something was tested" is lower."""
+    with every one verified, so the bar for "something was tested" is lower. Where the policy drafts little (its
+    race against plain steps backs off: three-token requests at temperature 1 on a tiny model), a second sample of
+    as many requests is drawn, and each must have the target's distribution."""
     spec = {"method": "dflash", "model": str(exported["dmtp"]), "num_speculative_tokens": 7}
     engine = make_engine(target, spec, max_num_seqs=4, verify="adaptive")
+    samples = []
     try:
-        speculative = sample(engine, sampled_prompt, first_seed=2 * SAMPLED_RUNS)
-        counters = spec_counters(engine)
+        for attempt in range(2):
+            samples.append(sample(engine, sampled_prompt, first_seed=(2 + attempt) * SAMPLED_RUNS))
+            counters = spec_counters(engine)  # cumulative over the samples drawn
+            if counters["accepted"] >= SAMPLED_RUNS // 16:
+                break
         widths = engine.collective_rpc("dmtp_policy_report")[0]["counters"]["widths"]
     finally:
         close(engine)
     assert counters["accepted"] >= SAMPLED_RUNS // 16, counters
     assert len([w for w, rows in widths.items() if int(w) > 0 and rows]) >= 2, widths
-    assert_same_distribution(plain["sampled"], speculative)
+    for speculative in samples:
+        assert_same_distribution(plain["sampled"], speculative)
 
 
 def test_the_cpu_expand_kernel_writes_float_values():
