@@ -176,7 +176,7 @@ class DMTPProposer(DFlashProposer):
             if not self._verifying:  # nothing to judge, every row committed: the state can wait (lean step)
                 return self._lean_step(requests, context, last_layer, *pairs)
             if self.policy is None:  # verify "none" or a plain window of "all": keep the state, plan nothing
-                self._update_state(context, last_layer, num_rejected_tokens_gpu, *pairs)
+                self._update_state(requests, context, last_layer, num_rejected_tokens_gpu, *pairs)
                 self._verifying = False
                 return [[] for _ in requests]
         if self.policy is not None:
@@ -312,6 +312,7 @@ class DMTPProposer(DFlashProposer):
 
     def _update_state(
         self,
+        requests: list[str],
         context: torch.Tensor,
         last_layer: torch.Tensor,
         num_rejected_tokens_gpu: torch.Tensor | None,
@@ -319,7 +320,7 @@ class DMTPProposer(DFlashProposer):
     ) -> None:
         """Step 1 without a plan: the head's layer and the block's context K/V over the step's rows."""
         if self.stash.rows:
-            self._catch_up(list(self.runner.input_batch.req_ids[: pairs[-1].batch_size()]), pairs[-1])
+            self._catch_up(requests, pairs[-1])
         self._mtp_hidden(last_layer, *pairs)
         self._store_context(context, num_rejected_tokens_gpu, *pairs)
 
