@@ -28,8 +28,11 @@ its own probes (at doubling intervals) verify what the estimates choose.
 No clock is read here: the engine passes seconds, so tests drive it with injected costs.
 
 The first steps of each batch-size bucket (1, 2, 3-4, 5-8, ...: the cost of T tokens depends on how many requests
-share them) measure its curve: a plain step (T = B), then one that verifies every proposal; from then on the curve is
-interpolated between the T seen and every step keeps it current.
+share them) measure its curve: a plain step (T = B), then one that verifies one proposal per request (T = 2B); from
+then on the curve is interpolated between the T seen, extrapolated past the widest with the slope of its last
+segment, and every step keeps it current. The first wide step is one the curve so far says pays: where a token of
+verify costs little (a GPU's flat curve) that comes at once; where every token costs (a CPU at 16 requests: 128
+tokens took 4.7x a plain step), no step pays that much to learn it.
 """
 
 from __future__ import annotations
@@ -339,9 +342,9 @@ class RequestPolicy:
         exploring = self._exploring(batch)
         if self.plain or exploring is False:  # (self.plain: the guard backs off, or a plain step that measures)
             source, widths = np.full(batch, DRAFT), np.zeros(batch, dtype=np.int64)
-        elif exploring:  # every proposal: the widest step of this batch
+        elif exploring:  # one proposal per request: the curve's first step past plain (module docstring)
             source = np.full(batch, DRAFT if drafted else LOOKUP)
-            widths = (all_gains[source, rows] > -np.inf).sum(-1)
+            widths = np.minimum((all_gains[source, rows] > -np.inf).sum(-1), 1)
         else:
             curve = self._curve(batch)
             source = choose_sources(all_gains, curve)
@@ -410,7 +413,7 @@ class RequestPolicy:
 
     def _exploring(self, batch: int) -> bool | None:
         """The first steps measure the curve: ``False`` a plain step (nothing seen yet), ``True`` a step verifying
-        every proposal (nothing wider than this batch's plain step seen); ``None`` once both are known."""
+        one proposal per request (nothing wider than this batch's plain step seen); ``None`` once both are known."""
         points = self.costs(batch).points
         if not points:
             return False

@@ -21,12 +21,13 @@ captured hidden states, and each request's bonus token (``next_token_ids``). For
    (0: a plain step for the request); vLLM's rejection sampler verifies each request's own count, so the output is
    the target's whatever the plan (greedy: token-identical).
 
-**Lean plain steps.** When the next step is plain for every request before anything is drafted (the policy's race
-backs off or measures plain steps, `dmtp_policy.race.PlainRace`; ``verify: "none"``) and the step that just ran
-verified nothing, step 1 is deferred: the step's rows go to a stash (`dmtp_vllm.stash`) and the head's layer and the
-context K/V run over all stashed rows at once when drafting resumes (or the stash holds a step's token budget), so
-a plain step of a DMTP engine costs about what vLLM's own does. The catch-up runs after the step is timed: the race
-charges it to the drafting it resumes.
+**Lean steps.** When the step that just ran verified nothing and nothing of the draft's is needed this step (the
+policy's race makes it plain, `dmtp_policy.race.PlainRace`; ``verify: "none"``; or the policy does not ask the draft
+this step, whose plan then verifies prompt lookup alone or nothing), step 1's state update is deferred: the step's
+rows go to a stash (`dmtp_vllm.stash`) and the head's layer and the context K/V run over all stashed rows at once
+when the draft is asked again (or the stash holds a step's token budget), so a step that drafts nothing costs about
+what vLLM's own plain step does. The catch-up runs after the step is timed: the race charges it to the drafting it
+resumes.
 
 With ``verify: "all"`` (the draft folder's ``dmtp_config.vllm``, or ``DMTP_VLLM_VERIFY=all``) every request verifies
 all K proposals every step, as vLLM's DFlash does; ``"adaptive"`` (the default) runs the policy, with prompt lookup
@@ -188,18 +189,26 @@ class DMTPProposer(DFlashProposer):
                 self._judge(requests, step)
             if not timed:
                 self._step_timed(requests, target_token_ids.shape[0], step.committed)
-        # 1. state: the stashed rows of lean steps (after the step was timed: the race charges the catch-up to the
-        # drafting it resumes), the head's layer over the new pairs (g of every request), prompt lookup
+        # 1. prompt lookup, and whether the draft is asked at all: when it is not and the last step verified nothing,
+        # this step needs nothing of the draft's state, which waits in the stash (a lean step: prompt lookup's
+        # proposals may still be verified)
+        with self._section("lookup"):
+            lookup, lookup_counts = self._prompt_lookup(step, len(requests), num_speculative_tokens)
+        with self._section("policy"):
+            asked = self.policy is None or self.policy.drafts(lookup_counts)
+        if not asked and not self._verifying:
+            self._stash_rows(requests, context, last_layer, *pairs)
+            with self._section("plan"):
+                out = self._plan(requests, step, None, None, lookup, lookup_counts)
+            return self._finish(out)
+        # ... else the state: the stashed rows of lean steps (after the step was timed: the race charges the catch-up
+        # to the drafting it resumes), then the head's layer over the new pairs (g of every request)
         if self.stash.rows:
             self._catch_up(requests, cad)
         with self._section("mtp_layer"):
             g = self._mtp_hidden(last_layer, *pairs)
-        with self._section("lookup"):
-            lookup, lookup_counts = self._prompt_lookup(step, len(requests), num_speculative_tokens)
         # 2. T1 and 3. the block, when they pay (else only the block's context K/V)
         proposals = confidence = None
-        with self._section("policy"):
-            asked = self.policy is None or self.policy.drafts(lookup_counts)
         if asked:
             with self._stage("t1"):
                 t1, t1_confidence = self.model.mtp.predict(g, self._target_lm_head)
@@ -218,11 +227,9 @@ class DMTPProposer(DFlashProposer):
         # 4. the plan: per request, which proposals and how many
         with self._section("plan"):
             out = self._plan(requests, step, proposals, confidence, lookup, lookup_counts)
-        self._verifying = any(out)
         if self.proposal_log is not None and proposals is not None:
             self._log_proposals(requests, proposals, target_positions, token_indices_to_sample, cad)
-        self._last_end = time.perf_counter()
-        return out
+        return self._finish(out)
 
     # -- the pieces of the round -------------------------------------------------------------------------------
 
@@ -261,13 +268,29 @@ class DMTPProposer(DFlashProposer):
     ) -> list[list[int]]:
         """A plain step whose predecessor verified nothing: the policy's bookkeeping, and the rows stashed instead of
         the state's update (module docstring)."""
-        num_tokens = target_token_ids.shape[0]
         if self.policy is not None:  # (the step was timed already)
             with self._section("policy"):
                 nothing = torch.zeros(len(requests), dtype=torch.long)
                 drafted = self.policy.drafts(nothing)  # False: the race forces the step plain
                 self.policy.choose(requests, None, nothing)
             assert not drafted
+        pairs = (target_token_ids, target_positions, next_token_ids, token_indices_to_sample, cad)
+        self._stash_rows(requests, context, last_layer, *pairs)
+        return self._finish([[] for _ in requests])
+
+    def _stash_rows(
+        self,
+        requests: list[str],
+        context: torch.Tensor,
+        last_layer: torch.Tensor,
+        target_token_ids: torch.Tensor,
+        target_positions: torch.Tensor,
+        next_token_ids: torch.Tensor,
+        token_indices_to_sample: torch.Tensor | None,
+        cad: CommonAttentionMetadata,
+    ) -> None:
+        """The step's rows to the stash instead of the state's update (caught up first when they would not fit)."""
+        num_tokens = target_token_ids.shape[0]
         with self._section("stash"):
             if not self.stash.fits(num_tokens):
                 self._catch_up(requests, cad)
@@ -278,9 +301,12 @@ class DMTPProposer(DFlashProposer):
             self.stash.add(
                 requests, starts[1:] - starts[:-1], target_positions, slots, pair_tokens, last_layer, context
             )
-        self._verifying = False
+
+    def _finish(self, out: list[list[int]]) -> list[list[int]]:
+        """The step's proposals, once the round is done: whether the next step verifies any, and when it ended."""
+        self._verifying = any(out)
         self._last_end = time.perf_counter()
-        return [[] for _ in requests]
+        return out
 
     def _catch_up(self, requests: list[str], cad: CommonAttentionMetadata) -> None:
         """The stashed rows of this batch's requests through the head's layer and into the block's context K/V, one
