@@ -25,6 +25,12 @@ for the zero-centred Qwen norms and 1 otherwise), so a loader that forgets the `
 concat order or reads the embedding/LM-head *copies* (written as independent random tensors here, unlike the real
 releases where they equal the trunk's) gives different logits.
 
+``make_tiny_target(..., vllm_kernels=True)`` shapes the same layouts for vLLM's CPU kernels (`VLLM_KERNEL_SHAPES`):
+attention heads of 32 (its CPU attention takes head sizes from 32 up), DeepSeek's MLA latent of 512 + 64 (the CPU MLA
+decode kernel's only shape) and GatedDeltaNet heads of 128 (the CPU GDN kernel's); hidden size 64. DeepSeek-V3's
+config always names its router as the release does (``topk_method="noaux_tc"``, sigmoid scores): vLLM builds the
+``e_score_correction_bias`` it loads from that.
+
 Loading back: ``AutoModelForCausalLM.from_pretrained(path)`` works for every family (MiMo's config keeps
 ``model_type="qwen2"`` so that no remote code is needed; real MiMo-7B says ``"mimo"``, handled by the layout
 resolver through ``architectures``). Transformers hard-codes the MTP ignore regex of DeepSeek-V3 (``layers.61``) and
@@ -52,6 +58,7 @@ from dmtp_hf.modeling.native_mtp.loading import load_target_checkpoint, mtp_igno
 
 __all__ = [
     "FAMILIES",
+    "VLLM_KERNEL_SHAPES",
     "load_tiny_target",
     "make_tiny_target",
     "mtp_ignore_patterns",
@@ -67,6 +74,33 @@ _ZERO_CENTRED = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 TINY_FP8_BLOCK = (16, 16)
 
 _VOCAB, _HIDDEN = 128, 32
+# Text-config fields that shape each family for vLLM's CPU kernels (module docstring): still tiny, hidden size 64.
+_QWEN_KERNEL_SHAPES = {
+    "hidden_size": 64,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+}
+VLLM_KERNEL_SHAPES: dict[str, dict[str, int]] = {
+    "qwen3_5": _QWEN_KERNEL_SHAPES,
+    "qwen3_5_moe": _QWEN_KERNEL_SHAPES,
+    "qwen3_next": _QWEN_KERNEL_SHAPES,
+    "deepseek_v3": {
+        "hidden_size": 64,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64,
+        "head_dim": 64,  # Transformers' rotary size for DeepSeek (= qk_rope_head_dim)
+        "qk_nope_head_dim": 32,
+        "qk_head_dim": 96,
+        "v_head_dim": 32,
+    },
+    "glm4_moe": {"hidden_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32},
+    "mimo": {"hidden_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1},
+}
 _TINY_VISION = {
     "depth": 1,
     "hidden_size": 16,
@@ -144,6 +178,9 @@ def tiny_target_config(family: str) -> PreTrainedConfig:
             qk_rope_head_dim=8,
             v_head_dim=8,
             num_nextn_predict_layers=1,
+            # the releases' router, as vLLM reads it (Transformers' DeepSeek-V3 always routes this way)
+            topk_method="noaux_tc",
+            scoring_func="sigmoid",
         )
     if family == "glm4_moe":
         from transformers import Glm4MoeConfig
@@ -328,6 +365,7 @@ def make_tiny_target(
     config_overrides: dict[str, Any] | None = None,
     vocab_size: int | None = None,
     text_overrides: dict[str, Any] | None = None,
+    vllm_kernels: bool = False,
 ) -> Path:
     """Write a tiny random ``family`` target checkpoint, native MTP tensors included, and return its path.
 
@@ -346,11 +384,12 @@ def make_tiny_target(
             sampling tests).
         text_overrides: Text-config fields changed *before* the model is built (e.g. a bigger hidden size for
             benchmarks); unlike ``config_overrides`` they shape the weights.
+        vllm_kernels: Shape the attention for vLLM's CPU kernels (`VLLM_KERNEL_SHAPES`); ``text_overrides`` win.
     """
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     config = tiny_target_config(family)
-    overrides = dict(text_overrides or {})
+    overrides = {**(VLLM_KERNEL_SHAPES[family] if vllm_kernels else {}), **(text_overrides or {})}
     if vocab_size is not None:
         overrides["vocab_size"] = vocab_size
     text_config = config.get_text_config(decoder=True)

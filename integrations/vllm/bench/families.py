@@ -1,0 +1,217 @@
+"""What vLLM's CPU build runs of each native-MTP family: tiny checkpoints in each family's real layout
+(`dmtp_hf_assets.tiny_targets`, shaped for vLLM's CPU kernels), each served plainly and with vLLM's own ``mtp``
+method, every engine in its own process so that one that fails to start cannot take the others down.
+
+Per family it records whether plain decoding and ``mtp`` run, the exact error where one does not (the root cause
+from the engine's log, and the function it came from), whether ``mtp``'s greedy tokens equal plain's, and whether
+vLLM's plain greedy tokens equal Transformers' on the same checkpoint (fp32 families only: in bf16 two correct
+implementations may break near-ties differently). Prints the table, writes ``reports/vllm/families.json``.
+
+    .venv-vllm/bin/python integrations/vllm/bench/families.py        # after `make test-vllm`, about 5 minutes
+
+Standard library only here; the probes run in vLLM's environment, the checkpoints and Transformers' reference in
+dmtp-hf's (``$DMTP_HF_PYTHON``, default the repository's ``.venv``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from workers import REPO, VLLM_PYTHON  # noqa: E402
+
+HF_PYTHON = os.environ.get("DMTP_HF_PYTHON", str(REPO / ".venv" / "bin" / "python"))
+FAMILIES = ("mimo", "glm4_moe", "deepseek_v3", "qwen3_next", "qwen3_5", "qwen3_5_moe")
+PROMPT = [5, 6, 7, 8, 9, 10]
+NEW_TOKENS = 12
+# How each family's engines run here. GatedDeltaNet families: vLLM's CPU GDN kernel takes bf16 only, and with
+# prefix caching a speculative engine copies the linear-attention state with a Triton kernel (`mamba_utils`'s
+# `precopy_mamba_align_fused_kernel`), which the CPU build lacks; so they run in bf16 without prefix caching, and
+# the survey records the error prefix caching gives.
+GATED_DELTA_NET = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+# Lines of an engine's log that wrap the root cause rather than state it.
+WRAPPERS = (
+    "Tokenizer not available",
+    "Engine core initialization failed",
+    "EngineCore encountered an issue",
+    "Worker failed with error",
+    "Error raised in subprocess",
+    "returned non-zero exit status",
+    "failed to be inspected",
+)
+ERROR_LINE = re.compile(r"\b([A-Za-z_]*(?:Error|Exception)): (.+)$")
+FRAME_LINE = re.compile(r'File "(?!<frozen)(?:[^"]*site-packages/)?([^"]*)", line \d+, in (\w+)')
+
+
+def engine_settings(family: str) -> dict:
+    """dtype and prefix caching of ``family``'s engines here (`GATED_DELTA_NET`)."""
+    if family in GATED_DELTA_NET:
+        return {"dtype": "bfloat16", "prefix_caching": False}
+    return {"dtype": "float32", "prefix_caching": True}
+
+
+def make_targets(directory: Path, families: list[str]) -> dict[str, dict]:
+    """Each family's tiny vLLM-shaped checkpoint under ``directory``, and Transformers' greedy tokens for `PROMPT`
+    (fp32), from dmtp-hf's environment."""
+    script = f"""
+import json, sys, torch
+from dmtp_hf_assets.tiny_targets import load_tiny_target, make_tiny_target
+out = {{}}
+for family in {list(families)!r}:
+    path = make_tiny_target(family, {str(directory)!r} + "/" + family, vllm_kernels=True)
+    model = load_tiny_target(path).eval()
+    ids = model.generate(torch.tensor([{PROMPT!r}]), max_new_tokens={NEW_TOKENS}, do_sample=False,
+                         min_new_tokens={NEW_TOKENS})
+    out[family] = {{"path": str(path), "transformers": ids[0, {len(PROMPT)}:].tolist()}}
+print("@@ " + json.dumps(out))
+"""
+    done = subprocess.run([HF_PYTHON, "-c", script], capture_output=True, text=True, cwd=REPO)
+    return json.loads(_answer(done.stdout, done.stderr))
+
+
+def probe(path: str, family: str, method: str, prefix_caching: bool | None = None) -> dict:
+    """One engine for the checkpoint at ``path`` (``method``: ``"plain"`` or ``"mtp"``), in its own process:
+    ``{"ok": True, "tokens": [...]}`` or ``{"ok": False, "error": root cause, "raised_in": function}``."""
+    settings = engine_settings(family)
+    if prefix_caching is not None:
+        settings["prefix_caching"] = prefix_caching
+    command = [str(VLLM_PYTHON), __file__, "--probe", path, "--method", method, "--settings", json.dumps(settings)]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=_vllm_env())
+    try:
+        return json.loads(_answer(done.stdout, ""))
+    except RuntimeError:
+        return {"ok": False, **root_cause(done.stdout + "\n" + done.stderr)}
+
+
+def root_cause(log: str) -> dict:
+    """The first error line of an engine's log that is not a wrapper (`WRAPPERS`), and the file and function of the
+    last frame of vLLM's own code before it."""
+    lines = log.splitlines()
+    for index, line in enumerate(lines):
+        match = ERROR_LINE.search(line)
+        if match is None or any(wrapper in line for wrapper in WRAPPERS):
+            continue
+        frames = [FRAME_LINE.search(earlier) for earlier in lines[max(0, index - 40) : index]]
+        frames = [frame for frame in frames if frame is not None]
+        frames = [frame for frame in frames if frame.group(1).startswith("vllm/")] or frames  # vLLM's own, if any
+        raised_in = f"{frames[-1].group(1)}: {frames[-1].group(2)}" if frames else ""
+        return {"error": f"{match.group(1)}: {match.group(2).strip()}", "raised_in": raised_in}
+    return {"error": "no error line in the log: " + (lines[-1] if lines else "(empty)"), "raised_in": ""}
+
+
+def survey(families: list[str], directory: Path) -> dict[str, dict]:
+    """Every family's row (module docstring)."""
+    targets = make_targets(directory, families)
+    rows = {}
+    for family in families:
+        path, reference = targets[family]["path"], targets[family]["transformers"]
+        settings = engine_settings(family)
+        row = {"settings": settings, "plain": probe(path, family, "plain"), "mtp": probe(path, family, "mtp")}
+        plain, mtp = row["plain"], row["mtp"]
+        if family in GATED_DELTA_NET and mtp["ok"]:
+            row["mtp_with_prefix_caching"] = probe(path, family, "mtp", prefix_caching=True)
+        both = plain["ok"] and mtp["ok"]
+        row["mtp_identical_to_plain"] = plain["tokens"] == mtp["tokens"] if both else None
+        fp32 = settings["dtype"] == "float32"
+        row["plain_equals_transformers"] = plain["tokens"] == reference if fp32 and plain["ok"] else None
+        row["transformers"] = reference
+        rows[family] = row
+    return rows
+
+
+def table(rows: dict[str, dict]) -> str:
+    """The survey as a Markdown table."""
+
+    def cell(result: dict) -> str:
+        return "runs" if result["ok"] else f"`{result['error'][:110]}` (`{result['raised_in']}`)"
+
+    def flag(value: bool | None, why: str) -> str:
+        return why if value is None else ("yes" if value else "**no**")
+
+    out = [
+        "| family | engine | plain | `mtp` | `mtp` greedy = plain | plain = Transformers |",
+        "|---|---|---|---|---|---|",
+    ]
+    for family, row in rows.items():
+        settings = row["settings"]
+        engine = settings["dtype"] + ("" if settings["prefix_caching"] else ", no prefix caching")
+        mtp = cell(row["mtp"])
+        if "mtp_with_prefix_caching" in row and not row["mtp_with_prefix_caching"]["ok"]:
+            mtp += f"; with prefix caching: {cell(row['mtp_with_prefix_caching'])}"
+        if not row["plain"]["ok"] and row["mtp"] == row["plain"]:
+            mtp = "the same"
+        versus = "n/a (bf16)" if settings["dtype"] != "float32" else "n/a"
+        out.append(
+            f"| {family} | {engine} | {cell(row['plain'])} | {mtp} | {flag(row['mtp_identical_to_plain'], 'n/a')} "
+            f"| {flag(row['plain_equals_transformers'], versus)} |"
+        )
+    return "\n".join(out)
+
+
+def _answer(stdout: str, stderr: str) -> str:
+    for line in stdout.splitlines():
+        if line.startswith("@@ "):
+            return line[3:]
+    raise RuntimeError(f"no answer line; stderr ends: {stderr[-2000:]}")
+
+
+def _vllm_env() -> dict[str, str]:
+    """vLLM's CPU environment as integrations/vllm/ci.sh sets it (inherited when run from there)."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
+    if "LD_PRELOAD" not in env:
+        preload = [str(p) for p in sorted(Path("/usr/lib").glob("*/libtcmalloc_minimal.so.4"))[:1]]
+        preload += [str(p) for p in [VLLM_PYTHON.parent.parent / "lib" / "libiomp5.so"] if p.exists()]
+        env["LD_PRELOAD"] = " ".join(preload)
+    return env
+
+
+def _run_probe(path: str, method: str, settings: dict) -> None:
+    """In a probe's own process (vLLM's environment): start the engine, decode `PROMPT` greedily, answer."""
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    engine = LLM(
+        model=path,
+        dtype=settings["dtype"],
+        max_model_len=256,
+        max_num_seqs=4,
+        kv_cache_memory_bytes=64 << 20,
+        enable_prefix_caching=settings["prefix_caching"],
+        speculative_config={"method": "mtp", "num_speculative_tokens": 1} if method == "mtp" else None,
+        seed=0,
+        enforce_eager=True,
+        skip_tokenizer_init=True,
+    )
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    out = engine.generate([TokensPrompt(prompt_token_ids=PROMPT)], params, use_tqdm=False)
+    print("@@ " + json.dumps({"ok": True, "tokens": list(out[0].outputs[0].token_ids)}), flush=True)
+
+
+def main() -> None:
+    """The survey (or, with ``--probe``, one engine)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--families", default=",".join(FAMILIES))
+    parser.add_argument("--output", type=Path, default=REPO / "reports" / "vllm" / "families.json")
+    parser.add_argument("--probe", help=argparse.SUPPRESS)
+    parser.add_argument("--method", help=argparse.SUPPRESS)
+    parser.add_argument("--settings", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.probe:
+        _run_probe(args.probe, args.method, json.loads(args.settings))
+        return
+    with tempfile.TemporaryDirectory() as directory:
+        rows = survey(args.families.split(","), Path(directory))
+    print(table(rows))
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(rows, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
