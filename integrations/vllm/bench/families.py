@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workers import REPO, VLLM_PYTHON  # noqa: E402
+from workers import REPO, VLLM_PYTHON, vllm_env  # noqa: E402
 
 HF_PYTHON = os.environ.get("DMTP_HF_PYTHON", str(REPO / ".venv" / "bin" / "python"))
 FAMILIES = ("mimo", "glm4_moe", "deepseek_v3", "qwen3_next", "qwen3_5", "qwen3_5_moe")
@@ -83,7 +83,8 @@ def probe(path: str, family: str, method: str, prefix_caching: bool | None = Non
     if prefix_caching is not None:
         settings["prefix_caching"] = prefix_caching
     command = [str(VLLM_PYTHON), __file__, "--probe", path, "--method", method, "--settings", json.dumps(settings)]
-    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=_vllm_env())
+    env = vllm_env(set(range(os.cpu_count())))
+    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env)
     try:
         return json.loads(_answer(done.stdout, ""))
     except RuntimeError:
@@ -160,17 +161,6 @@ def _answer(stdout: str, stderr: str) -> str:
         if line.startswith("@@ "):
             return line[3:]
     raise RuntimeError(f"no answer line; stderr ends: {stderr[-2000:]}")
-
-
-def _vllm_env() -> dict[str, str]:
-    """vLLM's CPU environment as integrations/vllm/ci.sh sets it (inherited when run from there)."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
-    if "LD_PRELOAD" not in env:
-        preload = [str(p) for p in sorted(Path("/usr/lib").glob("*/libtcmalloc_minimal.so.4"))[:1]]
-        preload += [str(p) for p in [VLLM_PYTHON.parent.parent / "lib" / "libiomp5.so"] if p.exists()]
-        env["LD_PRELOAD"] = " ".join(preload)
-    return env
 
 
 def _run_probe(path: str, method: str, settings: dict) -> None:

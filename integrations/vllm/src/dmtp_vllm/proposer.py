@@ -256,15 +256,7 @@ class DMTPProposer(DFlashProposer):
         self._last_timed = now
 
     def _lean_step(
-        self,
-        requests: list[str],
-        context: torch.Tensor,
-        last_layer: torch.Tensor,
-        target_token_ids: torch.Tensor,
-        target_positions: torch.Tensor,
-        next_token_ids: torch.Tensor,
-        token_indices_to_sample: torch.Tensor | None,
-        cad: CommonAttentionMetadata,
+        self, requests: list[str], context: torch.Tensor, last_layer: torch.Tensor, *pairs: Any
     ) -> list[list[int]]:
         """A plain step whose predecessor verified nothing: the policy's bookkeeping, and the rows stashed instead of
         the state's update (module docstring)."""
@@ -274,7 +266,6 @@ class DMTPProposer(DFlashProposer):
                 drafted = self.policy.drafts(nothing)  # False: the race forces the step plain
                 self.policy.choose(requests, None, nothing)
             assert not drafted
-        pairs = (target_token_ids, target_positions, next_token_ids, token_indices_to_sample, cad)
         self._stash_rows(requests, context, last_layer, *pairs)
         return self._finish([[] for _ in requests])
 
