@@ -21,6 +21,7 @@ import torch
 
 from dmtp_policy import (
     Calibration,
+    ModeledCosts,
     RequestPolicy,
     StepCosts,
     allocate,
@@ -111,6 +112,16 @@ def test_step_costs_interpolate_never_decrease_and_follow_the_load():
     for _ in range(20):
         costs.observe(2, 2.0)  # the machine got twice as slow: only T = 2 runs, T = 10 follows
     assert costs.seconds(10) > 1.5 * before
+
+
+def test_modeled_costs_price_steps_and_stages_and_refuse_what_is_not_a_cost():
+    """What ``DMTP_VLLM_MODELED_COSTS`` tells the policy in place of the clock (tests and simulations)."""
+    costs = ModeledCosts.parse("fixed=0.02, per_token=0.0005,block=0.002")
+    assert costs.step(4) == pytest.approx(0.022) and costs.step(32) == pytest.approx(0.036)
+    assert costs.stage("block") == pytest.approx(0.002) and costs.stage("t1") == 0.0
+    for bad in ["per_token=0.1", "fixed=0", "fixed=0.1,fixed=0.2", "fixed=0.1,head=1", "fixed=fast", "fixed=1,t1=-1"]:
+        with pytest.raises(ValueError):
+            ModeledCosts.parse(bad)
 
 
 @dataclass

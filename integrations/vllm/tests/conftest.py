@@ -103,7 +103,12 @@ def hf_reference(tmp_path_factory, target, prompts) -> list[dict]:
 
 
 # What the DMTP proposer reads from the environment when an engine's workers start (make_engine sets or clears each).
-PLUGIN_ENVIRONMENT = ("DMTP_VLLM_VERIFY", "DMTP_VLLM_LEAN_STEPS", "DMTP_VLLM_PROPOSAL_LOG")
+PLUGIN_ENVIRONMENT = (
+    "DMTP_VLLM_VERIFY",
+    "DMTP_VLLM_LEAN_STEPS",
+    "DMTP_VLLM_PROPOSAL_LOG",
+    "DMTP_VLLM_MODELED_COSTS",
+)
 
 
 def make_engine(

@@ -17,6 +17,8 @@ from conftest import close, make_engine
 
 GREEDY = dict(temperature=0.0)
 SAMPLED_RUNS = 320  # requests per engine at temperature 1
+# what the adaptive policy is told a step and the drafter's stages cost (dmtp_policy.ModeledCosts)
+MODELED_COSTS = "fixed=0.02,per_token=0.0002,t1=0.001,block=0.002"
 SAMPLED_TOKENS = 3  # the first comes from the prefill, the next two from verified rounds
 
 
@@ -211,26 +213,22 @@ def test_sampling_at_temperature_1_keeps_the_target_distribution(target, exporte
 def test_sampling_keeps_the_distribution_under_the_adaptive_policy(target, exported, plain, sampled_prompt):
     """The adaptive policy at four requests per step: requests of one step verify different numbers of proposals,
     from the draft or from prompt lookup, and vLLM's rejection sampler (with the plugin's expand kernel) must keep
-    the target's distribution through every mix. At temperature 1 on this CPU it verifies fewer proposals than
-    with every one verified, so the bar for "something was tested" is lower. Where the policy drafts little (its
-    race against plain steps backs off: three-token requests at temperature 1 on a tiny model), a second sample of
-    as many requests is drawn, and each must have the target's distribution."""
+    the target's distribution through every mix. The policy is told modeled costs (a step of T tokens 20 ms + 0.2 ms
+    per token, a GPU-like curve) instead of the clock: what it verifies then follows from what is accepted alone, the
+    same on every run (here 494 proposals verified, 83 accepted, widths 1 to 6), where by the clock a busy machine
+    made its race back off to plain steps and left too little verified to test (26 proposals, 7 accepted)."""
     spec = {"method": "dflash", "model": str(exported["dmtp"]), "num_speculative_tokens": 7}
-    engine = make_engine(target, spec, max_num_seqs=4, verify="adaptive")
-    samples = []
+    environ = {"DMTP_VLLM_MODELED_COSTS": MODELED_COSTS}
+    engine = make_engine(target, spec, max_num_seqs=4, verify="adaptive", environ=environ)
     try:
-        for attempt in range(2):
-            samples.append(sample(engine, sampled_prompt, first_seed=(2 + attempt) * SAMPLED_RUNS))
-            counters = spec_counters(engine)  # cumulative over the samples drawn
-            if counters["accepted"] >= SAMPLED_RUNS // 16:
-                break
+        speculative = sample(engine, sampled_prompt, first_seed=2 * SAMPLED_RUNS)
+        counters = spec_counters(engine)
         widths = engine.collective_rpc("dmtp_policy_report")[0]["counters"]["widths"]
     finally:
         close(engine)
-    assert counters["accepted"] >= SAMPLED_RUNS // 16, counters
-    assert len([w for w, rows in widths.items() if int(w) > 0 and rows]) >= 2, widths
-    for speculative in samples:
-        assert_same_distribution(plain["sampled"], speculative)
+    assert counters["accepted"] >= SAMPLED_RUNS // 8, counters
+    assert len([w for w, rows in widths.items() if int(w) > 0 and rows]) >= 3, widths
+    assert_same_distribution(plain["sampled"], speculative)
 
 
 def test_the_cpu_expand_kernel_writes_float_values():

@@ -17,7 +17,7 @@ Pure torch and the standard library (no Transformers): the vLLM plugin imports i
 from __future__ import annotations
 
 from .acceptance import AcceptanceEstimate, Calibration, expected_commits, gains
-from .costs import StepCosts
+from .costs import ModeledCosts, StepCosts
 from .guard import GUARD_WINDOW, GuardRail
 from .lookup import prompt_lookup
 from .planner import Plan, allocate, best_uniform_width, choose_sources
@@ -30,6 +30,7 @@ __all__ = [
     "Calibration",
     "GuardRail",
     "Plan",
+    "ModeledCosts",
     "PlainRace",
     "RequestPolicy",
     "StepCosts",

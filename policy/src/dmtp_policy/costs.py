@@ -17,7 +17,7 @@ import numpy as np
 
 from .acceptance import isotonic
 
-__all__ = ["LEARNING_RATE", "StepCosts"]
+__all__ = ["LEARNING_RATE", "ModeledCosts", "StepCosts"]
 
 # How far one observation moves the load (every T's estimate) and its own T's estimate relative to the load.
 LEARNING_RATE = 0.3
@@ -93,3 +93,46 @@ class StepCosts:
         out = np.interp(grid, xs, ys)
         out = np.where(grid > xs[-1], ys[-1] + slope * (grid - xs[-1]), out)
         return np.maximum.accumulate(out)
+
+
+class ModeledCosts:
+    """What an engine tells the policy each step and drafter stage cost, in place of the clock: a step over T
+    tokens costs ``fixed + per_token * T`` seconds, the stages ``t1`` and ``block`` their own constants.
+
+    For tests and simulations, never for serving: with a modeled clock the policy's choices follow from what the
+    draft's proposals are accepted alone, the same on every machine and under any load (a test of what the policy
+    verifies cannot then fail because a shared machine was busy), and a CPU can play a device whose steps cost what
+    a GPU's do. Written ``"fixed=0.02,per_token=0.0005,t1=0.001,block=0.002"``; a key left out costs nothing."""
+
+    KEYS = ("fixed", "per_token", "t1", "block")
+
+    def __init__(self, fixed: float, per_token: float = 0.0, t1: float = 0.0, block: float = 0.0) -> None:
+        if fixed <= 0 or min(per_token, t1, block) < 0:
+            raise ValueError(f"modeled costs need fixed > 0 and no negative cost, got {fixed, per_token, t1, block}")
+        self.fixed, self.per_token = fixed, per_token
+        self.stages = {"t1": t1, "block": block}
+
+    @classmethod
+    def parse(cls, text: str) -> ModeledCosts:
+        """``"key=seconds,..."`` with keys from `KEYS` (``fixed`` required)."""
+        values: dict[str, float] = {}
+        for item in text.split(","):
+            key, _, value = item.partition("=")
+            key = key.strip()
+            if key not in cls.KEYS or key in values:
+                raise ValueError(f"modeled costs take each of {cls.KEYS} at most once as key=seconds, got {text!r}")
+            try:
+                values[key] = float(value)
+            except ValueError:
+                raise ValueError(f"modeled cost {key!r} is not a number of seconds: {value!r}") from None
+        if "fixed" not in values:
+            raise ValueError(f"modeled costs need fixed=<seconds>, got {text!r}")
+        return cls(**values)
+
+    def step(self, tokens: int) -> float:
+        """Seconds of a step over ``tokens`` tokens."""
+        return self.fixed + self.per_token * tokens
+
+    def stage(self, name: str) -> float:
+        """Seconds of a drafter stage (``"t1"``, ``"block"``)."""
+        return self.stages[name]

@@ -34,9 +34,10 @@ all K proposals every step, as vLLM's DFlash does; ``"adaptive"`` (the default) 
 unless ``prompt_lookup`` is false (``DMTP_VLLM_PROMPT_LOOKUP=0``); ``"none"`` verifies nothing and only keeps the
 draft's state (what a plain step of a DMTP engine costs, for measurements). ``DMTP_VLLM_LEAN_STEPS=k/n`` (tests and
 measurements, with ``"all"``): of every n steps, k are lean plain steps, the first of them keeping the state itself
-when the step before it verified proposals. ``DMTP_VLLM_PROPOSAL_LOG=1`` keeps every drafted row (request, the
-position of the token it follows, the proposals) in ``proposal_log`` (``collective_rpc("dmtp_proposal_log")``), so
-tests compare what two engines proposed at the same positions.
+when the step before it verified proposals. ``DMTP_VLLM_MODELED_COSTS`` (tests and simulations) tells the policy
+modeled step and stage costs instead of the clock (`dmtp_policy.ModeledCosts`). ``DMTP_VLLM_PROPOSAL_LOG=1`` keeps
+every drafted row (request, the position of the token it follows, the proposals) in ``proposal_log``
+(``collective_rpc("dmtp_proposal_log")``), so tests compare what two engines proposed at the same positions.
 
 Draft tokens are greedy (vLLM's default ``draft_sample_method``); the probabilistic draft method would need T1's
 ``q`` next to the block's, which is not wired yet and is refused at start.
@@ -56,7 +57,7 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.spec_decode.dflash import DFlashProposer
 from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 
-from dmtp_policy import Calibration, RequestPolicy, prompt_lookup
+from dmtp_policy import Calibration, ModeledCosts, RequestPolicy, prompt_lookup
 from dmtp_policy.ledger import ProposalLedger
 from dmtp_policy.requests import DRAFT, LOOKUP
 
@@ -80,6 +81,10 @@ class PolicyOptions:
 
     def __init__(self, dmtp_config: dict[str, Any], environ: dict[str, str] | None = None) -> None:
         environ = os.environ if environ is None else environ
+        # the policy told modeled step and stage costs instead of the clock (`dmtp_policy.ModeledCosts`; tests and
+        # simulations: its choices then follow from acceptance alone, on any machine under any load)
+        modeled = environ.get("DMTP_VLLM_MODELED_COSTS")
+        self.modeled_costs = ModeledCosts.parse(modeled) if modeled else None
         stored = dmtp_config.get("vllm") or {}
         self.verify = environ.get("DMTP_VLLM_VERIFY") or stored.get("verify", "adaptive")
         if self.verify not in VERIFY_MODES:
@@ -250,7 +255,10 @@ class DMTPProposer(DFlashProposer):
         (the target's step; the draft's state and stages are timed apart), and the engine's whole ``cycle`` since
         the last step was timed (what the race compares)."""
         now = time.perf_counter()
-        if self._last_end is not None:
+        modeled = self.options.modeled_costs
+        if modeled is not None:  # the cycle: the modeled step and the modeled stages the policy was told of
+            self.policy.step_timed(requests, tokens, modeled.step(tokens), committed)
+        elif self._last_end is not None:
             seconds, cycle = now - self._last_end, now - self._last_timed
             self.policy.step_timed(requests, tokens, seconds, committed, cycle_seconds=cycle)
         self._last_timed = now
@@ -534,7 +542,7 @@ class DMTPProposer(DFlashProposer):
 
     def _stage(self, name: str):
         """A drafter stage, timed for the policy (and for the profile)."""
-        return _Timed(self.policy, name, self.profile)
+        return _Timed(self.policy, name, self.profile, self.options.modeled_costs)
 
     def _section(self, name: str):
         """A part of the round, timed only when profiling (``DMTP_VLLM_PROFILE=1``)."""
@@ -572,8 +580,14 @@ class DMTPProposer(DFlashProposer):
 class _Timed:
     """Times a part of the round for the policy (a drafter stage) and the profile (each where given)."""
 
-    def __init__(self, policy: RequestPolicy | None, name: str, profile: dict[str, float] | None = None) -> None:
-        self.policy, self.name, self.profile = policy, name, profile
+    def __init__(
+        self,
+        policy: RequestPolicy | None,
+        name: str,
+        profile: dict[str, float] | None = None,
+        modeled: ModeledCosts | None = None,
+    ) -> None:
+        self.policy, self.name, self.profile, self.modeled = policy, name, profile, modeled
 
     def __enter__(self) -> None:
         self.start = time.perf_counter()
@@ -581,7 +595,7 @@ class _Timed:
     def __exit__(self, *exc: Any) -> None:
         seconds = time.perf_counter() - self.start
         if self.policy is not None and exc[0] is None:
-            self.policy.stage_timed(self.name, seconds)
+            self.policy.stage_timed(self.name, seconds if self.modeled is None else self.modeled.stage(self.name))
         if self.profile is not None:
             self.profile[self.name] = self.profile.get(self.name, 0.0) + seconds
 
