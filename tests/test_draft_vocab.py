@@ -273,7 +273,9 @@ def test_engine_folders_carry_the_vocabularys_lm_head_rows_and_the_vllm_folder_t
     saved = load_file(tmp_path / "vllm" / "model.safetensors")
     config = json.loads((tmp_path / "vllm" / "config.json").read_text())
     assert config["architectures"] == ["DFlashDMTPDraftModel"] and config["model_type"] == "qwen3"
-    assert config["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in draft.config.target_layer_ids] + [layers]
+    # the features end at the target's last layer (target_layer_ids [0, N - 1]): vLLM captures it once
+    assert draft.config.target_layer_ids[-1] == layers - 1
+    assert config["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in draft.config.target_layer_ids]
     assert config["dmtp_config"]["mtp"]["draft_vocab_size"] == vocab // 2
     assert torch.equal(saved["lm_head.weight"], rows[draft_token_ids(draft)])
     assert torch.equal(saved["mtp.lm_head.weight"], rows[draft_token_ids(head)])

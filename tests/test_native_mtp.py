@@ -514,6 +514,25 @@ def test_unsupported_family_is_named(tmp_path):
 # Hidden input, wrappers, registry
 
 
+@pytest.mark.parametrize("family", ["mimo", "glm4_moe"])
+def test_vllm_folder_of_a_native_head_holds_no_copy_of_it(tiny, family, tmp_path):
+    """A family's own head stays in the target checkpoint: the vLLM folder names it (layout, source "target") and
+    carries only the draft's tensors; the plugin reads the head from the target, as vLLM's ``mtp`` method does."""
+    from conftest import draft_for
+
+    from dmtp_hf.modeling.engine_export import save_vllm_draft
+
+    _, target, head = tiny(family)
+    draft = draft_for(target)
+    draft.bind(target, native_mtp=head)
+    save_vllm_draft(draft, head, tmp_path / "vllm")
+    with safe_open(str(tmp_path / "vllm" / "model.safetensors"), framework="pt") as handle:
+        names = set(handle.keys())
+    mtp = json.loads((tmp_path / "vllm" / "config.json").read_text())["dmtp_config"]["mtp"]
+    assert mtp["layout"] == family and mtp["source"] == "target"
+    assert not any(name.startswith("mtp.") for name in names) and any(name.startswith("fusion.") for name in names)
+
+
 def test_post_and_pre_norm_target_hidden(tiny):
     _, target, _ = tiny("qwen3_5")
     ids = prompt_ids(length=6, seed=8)

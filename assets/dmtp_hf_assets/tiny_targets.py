@@ -27,7 +27,9 @@ releases where they equal the trunk's) gives different logits.
 
 ``make_tiny_target(..., vllm_kernels=True)`` shapes the same layouts for vLLM's CPU kernels (`VLLM_KERNEL_SHAPES`):
 attention heads of 32 (its CPU attention takes head sizes from 32 up), DeepSeek's MLA latent of 512 + 64 (the CPU MLA
-decode kernel's only shape) and GatedDeltaNet heads of 128 (the CPU GDN kernel's); hidden size 64. DeepSeek-V3's
+decode kernel's only shape) and GatedDeltaNet heads of 128 (the CPU GDN kernel's); hidden size 64; the hybrid Qwen
+trunks with three linear-attention layers to one full-attention layer (vLLM's KV cache groups then keep a drafter's
+layers together). DeepSeek-V3's
 config always names its router as the release does (``topk_method="noaux_tc"``, sigmoid scores): vLLM builds the
 ``e_score_correction_bias`` it loads from that.
 
@@ -60,6 +62,7 @@ __all__ = [
     "FAMILIES",
     "VLLM_KERNEL_SHAPES",
     "load_tiny_target",
+    "make_tiny_dmtp_draft",
     "make_tiny_target",
     "mtp_ignore_patterns",
     "read_checkpoint_tensors",
@@ -76,6 +79,10 @@ TINY_FP8_BLOCK = (16, 16)
 _VOCAB, _HIDDEN = 128, 32
 # Text-config fields that shape each family for vLLM's CPU kernels (module docstring): still tiny, hidden size 64.
 _QWEN_KERNEL_SHAPES = {
+    # three linear-attention layers to one full-attention layer, as the releases: vLLM's hybrid KV cache groups
+    # hold as many layers of each kind, so a drafter's attention layers (a DFlash block, an MTP head) share one
+    "num_hidden_layers": 4,
+    "layer_types": ["linear_attention"] * 3 + ["full_attention"],
     "hidden_size": 64,
     "num_attention_heads": 2,
     "num_key_value_heads": 1,
@@ -436,6 +443,37 @@ def make_tiny_target(
 def load_tiny_target(path: str | Path, **kwargs: Any) -> PreTrainedModel:
     """A tiny target checkpoint loaded for tests (`dmtp_hf.modeling.native_mtp.load_target_checkpoint`)."""
     return load_target_checkpoint(path, **kwargs)
+
+
+def make_tiny_dmtp_draft(target: str | Path, directory: str | Path, *, seed: int = 1) -> Path:
+    """A random DMTP draft (dual anchors, residual fusion, one block layer) for the tiny target checkpoint at
+    ``target``, saved in dmtp-hf's format under ``directory``: its features are the target's first and last layers,
+    its attention heads of 32 with the target's number of KV heads (vLLM's CPU kernels take heads of 32 and up, and its
+    hybrid KV cache groups keep a drafter's layers with the target's full-attention layers when their shapes match),
+    and its fusion non-zero, so that a fusion the engine drops changes the proposals."""
+    from dmtp_hf import DMTPConfig, DMTPDraftModel
+
+    text = load_target_checkpoint(target).config.get_text_config()
+    config = DMTPConfig(
+        vocab_size=text.vocab_size,
+        hidden_size=text.hidden_size,
+        intermediate_size=2 * text.hidden_size,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=min(2, getattr(text, "num_key_value_heads", 1) or 1),
+        head_dim=32,
+        num_target_layers=text.num_hidden_layers,
+        target_layer_ids=[0, text.num_hidden_layers - 1],
+        mask_token_id=text.vocab_size - 1,
+    )
+    torch.manual_seed(seed)
+    draft = DMTPDraftModel(config).eval()
+    with torch.no_grad():
+        for parameter in draft.fusion.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.05)
+    path = Path(directory)
+    draft.save_pretrained(path)
+    return path
 
 
 def make_tiny_llama(directory: str | Path, *, seed: int = 0, vocab_size: int = 128) -> Path:

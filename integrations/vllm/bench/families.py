@@ -1,11 +1,15 @@
 """What vLLM's CPU build runs of each native-MTP family: tiny checkpoints in each family's real layout
-(`dmtp_hf_assets.tiny_targets`, shaped for vLLM's CPU kernels), each served plainly and with vLLM's own ``mtp``
-method, every engine in its own process so that one that fails to start cannot take the others down.
+(`dmtp_hf_assets.tiny_targets`, shaped for vLLM's CPU kernels), each served plainly, with vLLM's own ``mtp`` method
+and with DMTP (a random tiny DMTP draft whose head is the target's own, `dmtp_hf_assets.tiny_targets.
+make_tiny_dmtp_draft`, exported by ``dmtp convert --to vllm``), every engine in its own process so that one that fails
+to start cannot take the others down. Each engine decodes `PROMPTS`, the first alone (batch 1) and all four together.
 
-Per family it records whether plain decoding and ``mtp`` run, the exact error where one does not (the root cause
-from the engine's log, and the function it came from), whether ``mtp``'s greedy tokens equal plain's, and whether
-vLLM's plain greedy tokens equal Transformers' on the same checkpoint (fp32 families only: in bf16 two correct
-implementations may break near-ties differently). Prints the table, writes ``reports/vllm/families.json``.
+Per family it records whether each engine runs, the exact error where one does not (the root cause from the
+engine's log, and the function it came from), whether ``mtp``'s greedy tokens equal plain's, whether DMTP's equal
+plain's (fp32) or ``mtp``'s (bf16: there plain and speculative steps run different kernels, and a random tiny model's
+near-ties break differently between them, while two speculative engines verify alike), and whether vLLM's plain
+greedy tokens equal Transformers' on the same checkpoint (fp32 families only: in bf16 two correct implementations
+may break near-ties differently). Prints the table, writes ``reports/vllm/families.json``.
 
     .venv-vllm/bin/python integrations/vllm/bench/families.py        # after `make test-vllm`, about 5 minutes
 
@@ -29,7 +33,8 @@ from workers import REPO, VLLM_PYTHON, vllm_env  # noqa: E402
 
 HF_PYTHON = os.environ.get("DMTP_HF_PYTHON", str(REPO / ".venv" / "bin" / "python"))
 FAMILIES = ("mimo", "glm4_moe", "deepseek_v3", "qwen3_next", "qwen3_5", "qwen3_5_moe")
-PROMPT = [5, 6, 7, 8, 9, 10]
+PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13, 14], [20, 21, 22, 23, 24, 25, 26], [30, 31]]
+PROMPT = PROMPTS[0]
 NEW_TOKENS = 12
 # How each family's engines run here. GatedDeltaNet families: vLLM's CPU GDN kernel takes bf16 only, and with
 # prefix caching a speculative engine copies the linear-attention state with a Triton kernel (`mamba_utils`'s
@@ -58,30 +63,37 @@ def engine_settings(family: str) -> dict:
 
 
 def make_targets(directory: Path, families: list[str]) -> dict[str, dict]:
-    """Each family's tiny vLLM-shaped checkpoint under ``directory``, and Transformers' greedy tokens for `PROMPT`
-    (fp32), from dmtp-hf's environment."""
+    """Each family's tiny vLLM-shaped checkpoint under ``directory``, its DMTP draft exported for vLLM, and
+    Transformers' greedy tokens for `PROMPT` (fp32), from dmtp-hf's environment."""
     script = f"""
 import json, sys, torch
-from dmtp_hf_assets.tiny_targets import load_tiny_target, make_tiny_target
+from dmtp_hf.cli import main as dmtp
+from dmtp_hf_assets.tiny_targets import load_tiny_target, make_tiny_dmtp_draft, make_tiny_target
 out = {{}}
 for family in {list(families)!r}:
-    path = make_tiny_target(family, {str(directory)!r} + "/" + family, vllm_kernels=True)
+    root = {str(directory)!r} + "/" + family
+    path = make_tiny_target(family, root + "/target", vllm_kernels=True)
+    make_tiny_dmtp_draft(path, root + "/dmtp")
+    dmtp(["convert", root + "/dmtp", root + "/dmtp-vllm", "--to", "vllm", "--target", str(path)])
     model = load_tiny_target(path).eval()
     ids = model.generate(torch.tensor([{PROMPT!r}]), max_new_tokens={NEW_TOKENS}, do_sample=False,
                          min_new_tokens={NEW_TOKENS})
-    out[family] = {{"path": str(path), "transformers": ids[0, {len(PROMPT)}:].tolist()}}
+    out[family] = {{"path": str(path), "draft": root + "/dmtp-vllm", "transformers": ids[0, {len(PROMPT)}:].tolist()}}
 print("@@ " + json.dumps(out))
 """
     done = subprocess.run([HF_PYTHON, "-c", script], capture_output=True, text=True, cwd=REPO)
     return json.loads(_answer(done.stdout, done.stderr))
 
 
-def probe(path: str, family: str, method: str, prefix_caching: bool | None = None) -> dict:
-    """One engine for the checkpoint at ``path`` (``method``: ``"plain"`` or ``"mtp"``), in its own process:
-    ``{"ok": True, "tokens": [...]}`` or ``{"ok": False, "error": root cause, "raised_in": function}``."""
+def probe(path: str, family: str, method: str, prefix_caching: bool | None = None, draft: str | None = None) -> dict:
+    """One engine for the checkpoint at ``path`` (``method``: ``"plain"``, ``"mtp"``, or ``"dmtp"`` with the vLLM
+    folder ``draft``), in its own process: ``{"ok": True, "tokens": [...], "batch": [[...], ...]}`` (`PROMPT` alone,
+    `PROMPTS` together) or ``{"ok": False, "error": root cause, "raised_in": function}``."""
     settings = engine_settings(family)
     if prefix_caching is not None:
         settings["prefix_caching"] = prefix_caching
+    if draft is not None:
+        settings["draft"] = draft
     command = [str(VLLM_PYTHON), __file__, "--probe", path, "--method", method, "--settings", json.dumps(settings)]
     env = vllm_env(set(range(os.cpu_count())))
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env)
@@ -115,16 +127,25 @@ def survey(families: list[str], directory: Path) -> dict[str, dict]:
         path, reference = targets[family]["path"], targets[family]["transformers"]
         settings = engine_settings(family)
         row = {"settings": settings, "plain": probe(path, family, "plain"), "mtp": probe(path, family, "mtp")}
-        plain, mtp = row["plain"], row["mtp"]
+        row["dmtp"] = probe(path, family, "dmtp", draft=targets[family]["draft"])
+        plain, mtp, dmtp = row["plain"], row["mtp"], row["dmtp"]
         if family in GATED_DELTA_NET and mtp["ok"]:
             row["mtp_with_prefix_caching"] = probe(path, family, "mtp", prefix_caching=True)
-        both = plain["ok"] and mtp["ok"]
-        row["mtp_identical_to_plain"] = plain["tokens"] == mtp["tokens"] if both else None
+        row["mtp_identical_to_plain"] = _same_tokens(plain, mtp)
         fp32 = settings["dtype"] == "float32"
+        row["dmtp_compared_with"] = "plain" if fp32 else "mtp"
+        row["dmtp_identical"] = _same_tokens(plain if fp32 else mtp, dmtp)
         row["plain_equals_transformers"] = plain["tokens"] == reference if fp32 and plain["ok"] else None
         row["transformers"] = reference
         rows[family] = row
     return rows
+
+
+def _same_tokens(first: dict, second: dict) -> bool | None:
+    """Whether two engines decoded the same greedy tokens, alone and in the batch (None: one did not run)."""
+    if not (first["ok"] and second["ok"]):
+        return None
+    return first["tokens"] == second["tokens"] and first["batch"] == second["batch"]
 
 
 def table(rows: dict[str, dict]) -> str:
@@ -137,8 +158,9 @@ def table(rows: dict[str, dict]) -> str:
         return why if value is None else ("yes" if value else "**no**")
 
     out = [
-        "| family | engine | plain | `mtp` | `mtp` greedy = plain | plain = Transformers |",
-        "|---|---|---|---|---|---|",
+        "| family | engine | plain | `mtp` | DMTP (dmtp-vllm) | `mtp` greedy = plain | DMTP greedy = | "
+        "plain = Transformers |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for family, row in rows.items():
         settings = row["settings"]
@@ -149,8 +171,10 @@ def table(rows: dict[str, dict]) -> str:
         if not row["plain"]["ok"] and row["mtp"] == row["plain"]:
             mtp = "the same"
         versus = "n/a (bf16)" if settings["dtype"] != "float32" else "n/a"
+        dmtp = f"{row['dmtp_compared_with']}: {flag(row['dmtp_identical'], 'n/a')}"
         out.append(
-            f"| {family} | {engine} | {cell(row['plain'])} | {mtp} | {flag(row['mtp_identical_to_plain'], 'n/a')} "
+            f"| {family} | {engine} | {cell(row['plain'])} | {mtp} | {cell(row['dmtp'])} "
+            f"| {flag(row['mtp_identical_to_plain'], 'n/a')} | {dmtp} "
             f"| {flag(row['plain_equals_transformers'], versus)} |"
         )
     return "\n".join(out)
@@ -164,8 +188,15 @@ def _answer(stdout: str, stderr: str) -> str:
 
 
 def _run_probe(path: str, method: str, settings: dict) -> None:
-    """In a probe's own process (vLLM's environment): start the engine, decode `PROMPT` greedily, answer."""
+    """In a probe's own process (vLLM's environment): start the engine, decode `PROMPT` alone and `PROMPTS`
+    together greedily, answer."""
     from vllm import LLM, SamplingParams, TokensPrompt
+
+    speculative = None
+    if method == "mtp":
+        speculative = {"method": "mtp", "num_speculative_tokens": 1}
+    elif method == "dmtp":
+        speculative = {"method": "dflash", "model": settings["draft"], "num_speculative_tokens": 7}
 
     engine = LLM(
         model=path,
@@ -174,14 +205,17 @@ def _run_probe(path: str, method: str, settings: dict) -> None:
         max_num_seqs=4,
         kv_cache_memory_bytes=64 << 20,
         enable_prefix_caching=settings["prefix_caching"],
-        speculative_config={"method": "mtp", "num_speculative_tokens": 1} if method == "mtp" else None,
+        speculative_config=speculative,
         seed=0,
         enforce_eager=True,
         skip_tokenizer_init=True,
     )
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-    out = engine.generate([TokensPrompt(prompt_token_ids=PROMPT)], params, use_tqdm=False)
-    print("@@ " + json.dumps({"ok": True, "tokens": list(out[0].outputs[0].token_ids)}), flush=True)
+    alone = engine.generate([TokensPrompt(prompt_token_ids=PROMPT)], params, use_tqdm=False)
+    together = engine.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)
+    answer = {"ok": True, "tokens": list(alone[0].outputs[0].token_ids)}
+    answer["batch"] = [list(out.outputs[0].token_ids) for out in together]
+    print("@@ " + json.dumps(answer), flush=True)
 
 
 def main() -> None:

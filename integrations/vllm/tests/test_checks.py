@@ -101,6 +101,15 @@ def test_a_target_given_as_a_config_needs_no_folder(tmp_path):
         check_draft(draft, "org/other-hub-id", target_config={**TARGET_CONFIG, "hidden_size": 896})
 
 
+@pytest.mark.parametrize("architecture", ["MiMoForCausalLM", "Glm4MoeForCausalLM"])
+def test_a_target_whose_vllm_model_captures_no_layers_is_refused_by_name(tmp_path, architecture):
+    """vLLM 0.32's MiMo and GLM-4-MoE models hand a DFlash drafter none of the target's layers: the engine would
+    fail at its first step or after loading the target; the check says so before either, naming the model."""
+    target = write_folder(tmp_path / "target", {**TARGET_CONFIG, "architectures": [architecture]})
+    with pytest.raises(DraftFolderError, match=f"{architecture}.*cannot serve a DFlash or DMTP draft.*mtp"):
+        check_draft(write_folder(tmp_path / "draft", DRAFT_CONFIG), target)
+
+
 def test_a_truncated_safetensors_file_is_named(tmp_path, fake_target):
     """Cut in the data or inside the header: the file is named as truncated."""
     draft = write_folder(tmp_path / "draft", DRAFT_CONFIG)

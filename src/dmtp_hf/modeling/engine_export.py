@@ -8,11 +8,15 @@ The vLLM folder is the DFlash layout (`io.save_dflash_checkpoint`) plus what DMT
 * ``config.json``: the DFlash config with ``architectures: ["DFlashDMTPDraftModel"]`` (vLLM keeps a name that starts
   with ``DFlash`` and looks it up in its model registry, where the plugin registers it),
   ``eagle_aux_hidden_state_layer_ids`` = the DFlash feature layers (vLLM numbering: ``target_layer_ids + 1``) plus the
-  target's depth (the last layer's output, from which the plugin applies the target's final norm: the hidden the MTP
-  head reads), and ``dmtp_config`` (the fusion, the number of proposals, and ``mtp``: the head's layout);
+  target's depth when they do not end there (the last layer's output, from which the plugin applies the target's
+  final norm: the hidden the MTP head reads), and ``dmtp_config`` (the fusion, the number of proposals, and
+  ``mtp``: the head's layout);
 * ``model.safetensors``: the DFlash tensors (unprefixed), ``lm_head.weight`` (the target's LM head rows of the draft
-  vocabulary, when there is one), ``fusion.*``, and the head under ``mtp.*`` in the head's own module names, with
-  ``mtp.lm_head.weight`` and ``mtp.token_ids`` when the head predicts over a draft vocabulary.
+  vocabulary, when there is one), ``fusion.*``, and a retrofitted head under ``mtp.*`` in the head's own module
+  names, with ``mtp.lm_head.weight`` and ``mtp.token_ids`` when the head predicts over a draft vocabulary. A
+  family's own head (DeepSeek-V3, GLM-4.x, MiMo, Qwen3-Next, Qwen3.5/3.6) is not copied: ``dmtp_config.mtp.source``
+  is ``"target"`` and the plugin loads the head from the target checkpoint into the family's vLLM MTP model, as
+  vLLM's ``mtp`` method does.
 
 A draft vocabulary's logits need the target's LM head rows of that vocabulary: vLLM keeps the *first*
 ``draft_vocab_size`` rows of a shared LM head and then maps them through ``d2t``, which is right only when the subset
@@ -37,6 +41,7 @@ __all__ = [
     "VLLM_ARCHITECTURE",
     "dflash_state_dict",
     "draft_vocab_lm_head",
+    "is_retrofitted",
     "save_vllm_draft",
     "transformers_dflash_assistant",
     "vllm_config",
@@ -67,6 +72,12 @@ def dflash_state_dict(draft: nn.Module) -> dict[str, torch.Tensor]:
     return {**state, "lm_head.weight": draft_vocab_lm_head(draft, draft.target_head)}
 
 
+def is_retrofitted(head: nn.Module) -> bool:
+    """Whether ``head`` (a `NativeMTPHead`) was trained for its target rather than shipped in the target checkpoint
+    (the ``retrofit`` layout): only then does the vLLM folder carry a copy of it."""
+    return head.layout.name == "retrofit"
+
+
 def vllm_config(draft: nn.Module, head: nn.Module) -> dict[str, Any]:
     """The ``config.json`` of the vLLM folder (see the module docstring)."""
     config = draft.config
@@ -74,7 +85,11 @@ def vllm_config(draft: nn.Module, head: nn.Module) -> dict[str, Any]:
         raise ValueError("The draft's config has no num_target_layers; bind it to its target before exporting")
     out = config.to_dflash_dict()
     out["architectures"] = [VLLM_ARCHITECTURE]
-    out["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in config.target_layer_ids] + [config.num_target_layers]
+    # vLLM captures each layer once: the last layer joins the features unless one of them is it already
+    captured = [i + 1 for i in config.target_layer_ids]
+    out["eagle_aux_hidden_state_layer_ids"] = captured + [config.num_target_layers] * (
+        config.num_target_layers not in captured
+    )
     head_config = head.config
     out["dmtp_config"] = {
         "anchor_layout": config.anchor_layout,
@@ -87,6 +102,7 @@ def vllm_config(draft: nn.Module, head: nn.Module) -> dict[str, Any]:
             "hidden_first": head.hidden_first,
             "layer_model_type": head_config.model_type,
             "draft_vocab_size": None if head.d2t is None else int(head.d2t.numel()),
+            "source": "draft" if is_retrofitted(head) else "target",
         },
     }
     calibration = config.dmtp_config.get("acceptance_calibration")
@@ -111,9 +127,10 @@ def save_vllm_draft(
     tensors = backbone_state_dict(dflash_state_dict(draft))
     if draft.fusion is not None:
         tensors.update({f"fusion.{k}": v.detach() for k, v in draft.fusion.state_dict().items()})
-    for name, tensor in head.state_dict().items():
-        if name not in ("d2t", "t2d") and "rotary_emb" not in name:
-            tensors[f"mtp.{name}"] = tensor.detach()
+    if is_retrofitted(head):  # a family's own head stays in the target checkpoint
+        for name, tensor in head.state_dict().items():
+            if name not in ("d2t", "t2d") and "rotary_emb" not in name:
+                tensors[f"mtp.{name}"] = tensor.detach()
     mtp_head = draft_vocab_lm_head(head, head.lm_head)
     if mtp_head is not None:
         tensors["mtp.lm_head.weight"] = mtp_head

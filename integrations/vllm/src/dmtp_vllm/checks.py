@@ -19,6 +19,13 @@ from typing import Any
 __all__ = ["DraftFolderError", "check_draft", "check_safetensors_file", "target_text_config"]
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+# Targets whose vLLM model hands no captured layers to a DFlash drafter (its context features, and DMTP's last
+# layer): vLLM 0.32 starts such an engine and fails at its first step (MiMo: "too many values to unpack") or after
+# loading the target (GLM: "Model does not support EAGLE3 interface").
+TARGETS_WITHOUT_CAPTURED_LAYERS = {
+    "MiMoForCausalLM": "its MiMoModel.forward (models/mimo.py) replaces Qwen2Model.forward without the captured layers",
+    "Glm4MoeForCausalLM": "Glm4MoeForCausalLM (models/glm4_moe.py) does not implement SupportsEagle3",
+}
 
 
 class DraftFolderError(ValueError):
@@ -40,6 +47,18 @@ def target_text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
     """The language model's part of a target config (multimodal targets nest it under ``text_config``)."""
     text = config.get("text_config")
     return text if isinstance(text, Mapping) and "hidden_size" in text else config
+
+
+def _refuse_targets_without_captured_layers(target_config: Mapping[str, Any], target: str) -> None:
+    """A target in `TARGETS_WITHOUT_CAPTURED_LAYERS`: no DFlash-family draft runs on it in this vLLM."""
+    for architecture in target_config.get("architectures") or []:
+        reason = TARGETS_WITHOUT_CAPTURED_LAYERS.get(architecture)
+        if reason is not None:
+            raise DraftFolderError(
+                f"The target {target} ({architecture}) cannot serve a DFlash or DMTP draft in this vLLM: {reason}, "
+                "and these drafts read the target's layers. Serve it with vLLM's own `mtp` method, or DMTP in "
+                "Transformers (`target.generate(..., assistant_model=draft)`)."
+            )
 
 
 def _refuse_unconverted(draft: Path, config: Mapping[str, Any], target: str) -> None:
@@ -163,6 +182,7 @@ def check_draft(
     if target_config is None and (Path(target) / "config.json").is_file():
         target_config = _read_config(Path(target), "target")
     if target_config is not None:
+        _refuse_targets_without_captured_layers(target_config, target_name)
         problems = _field_mismatches(draft_config, target_config)
         if problems:
             raise DraftFolderError(

@@ -9,8 +9,10 @@ whose block layers, context K/V projection and paged cache are used unchanged, p
       g_t = final_norm(layer(u_{<=t}))          # the decoder layer attends over earlier pairs (its own KV cache)
       T1  = argmax lm_head(g_t)                 # over the head's draft vocabulary when it has one
 
-  ``layer`` is the target family's own vLLM decoder layer, so its attention is a vLLM ``Attention`` with a paged KV
-  cache that vLLM allocates next to the block's;
+  A target family's own head (``dmtp_config.mtp.source == "target"``) is that family's vLLM MTP model, loaded from
+  the target checkpoint (`dmtp_vllm.native`); a retrofitted head (`MTPHead`, weights under ``mtp.*`` in the draft
+  folder) is a Llama decoder layer between dmtp-hf's norms and projection. Either way the layer's attention is a
+  vLLM ``Attention`` with a paged KV cache that vLLM allocates next to the block's;
 * ``fusion``: the block's T1 slot is ``E(T1) + proj([RMS_e(E(T1)) ; RMS_m(g)])`` instead of the mask embedding.
 
 The proposer (`dmtp_vllm.proposer`) runs the two in order each round. Weight names are those of the dmtp-hf export
@@ -31,6 +33,8 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.llama import LlamaDecoderLayer
 from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM, DFlashQwen3Model
 from vllm.model_executor.models.utils import maybe_prefix
+
+from .native import NativeMTPHead, first_candidate
 
 __all__ = ["ARCHITECTURE", "DFlashDMTPDraftModel", "FirstCandidateFusion", "MTPHead"]
 
@@ -124,8 +128,8 @@ class DMTPBlockModel(DFlashQwen3Model):
 
 
 class MTPHead(nn.Module):
-    """An MTP head (retrofitted or native) in vLLM layers: pairs ``(x_{t+1}, h_t)`` in, ``g_t`` out (module
-    docstring). ``layer`` is the target family's vLLM decoder layer built from the target's config."""
+    """A retrofitted MTP head in vLLM layers: pairs ``(x_{t+1}, h_t)`` in, ``g_t`` out (module docstring).
+    ``layer`` is a Llama decoder layer built from the target's config."""
 
     def __init__(
         self,
@@ -138,8 +142,9 @@ class MTPHead(nn.Module):
         super().__init__()
         if target_config.model_type not in ("llama",):
             raise NotImplementedError(
-                f"dmtp-vllm builds the MTP head's decoder layer for Llama-family targets so far; this target is "
-                f"{target_config.model_type!r}"
+                f"dmtp-vllm builds a retrofitted MTP head's decoder layer for Llama-family targets; this target is "
+                f"{target_config.model_type!r} (a family's own head is read from the target: export the draft with "
+                "`dmtp convert ... --to vllm --target TARGET` and no --mtp-head)"
             )
         hidden, eps = target_config.hidden_size, target_config.rms_norm_eps
         self.hidden_first = bool(head_config.get("hidden_first", False))
@@ -169,10 +174,9 @@ class MTPHead(nn.Module):
     def predict(self, g: torch.Tensor, target_lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """T1 ``[B]`` (the argmax of the head's logits for ``g`` ``[B, H]``) and its confidence ``[B]`` (the
         probability the head gave it)."""
-        weight = target_lm_head.weight if self.lm_head_weight is None else self.lm_head_weight
-        confidence, index = (g @ weight.t()).float().softmax(dim=-1).max(dim=-1)
-        t1 = index if self.lm_head_weight is None else self.token_ids[index]
-        return t1, confidence
+        if self.lm_head_weight is None:
+            return first_candidate(g, target_lm_head.weight)
+        return first_candidate(g, self.lm_head_weight, self.token_ids)
 
 
 class DFlashDMTPDraftModel(DFlashQwen3ForCausalLM):
@@ -200,17 +204,28 @@ class DFlashDMTPDraftModel(DFlashQwen3ForCausalLM):
             return_bias=False,
         )
         self.context_width = self.num_context_features * target_hidden
+        # The target's last layer (the hidden its final norm reads) among the captured layers, which vLLM
+        # concatenates once each in layer order: its own slot, or the last feature's when a feature layer is the last
+        captured = sorted(set(config.eagle_aux_hidden_state_layer_ids))
+        last = captured.index(vllm_config.model_config.get_total_num_hidden_layers())
+        self.last_layer_columns = slice(last * target_hidden, (last + 1) * target_hidden)
         self.mtp_hidden_input = dmtp["mtp"].get("hidden_input", "post_norm")
         self.fusion = None
         if dmtp["fusion"] == "residual":
             self.fusion = FirstCandidateFusion(
                 config.hidden_size, dmtp["mtp_hidden_size"], config.rms_norm_eps, prefix=maybe_prefix(prefix, "fusion")
             )
-        layer_index = vllm_config.model_config.get_total_num_hidden_layers() + config.num_hidden_layers
-        self.mtp = MTPHead(vllm_config, target_config, dmtp["mtp"], layer_index, prefix=maybe_prefix(prefix, "mtp"))
+        head = dmtp["mtp"]
+        self.target_path = vllm_config.model_config.model  # where a family's own head is read from
+        if head.get("source") == "target":
+            self.mtp = NativeMTPHead(vllm_config, head["layout"], head, prefix=maybe_prefix(prefix, "mtp"))
+        else:
+            layer_index = vllm_config.model_config.get_total_num_hidden_layers() + config.num_hidden_layers
+            self.mtp = MTPHead(vllm_config, target_config, head, layer_index, prefix=maybe_prefix(prefix, "mtp"))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """DFlash tensors through vLLM's DFlash loader; ``fusion.*`` and ``mtp.*`` into this model's modules."""
+        """DFlash tensors through vLLM's DFlash loader; ``fusion.*`` and ``mtp.*`` into this model's modules; a
+        family's own head from the target checkpoint (``mtp.*`` then holds at most a draft vocabulary's LM head)."""
         own: dict[str, list[tuple[str, torch.Tensor]]] = {"fusion": [], "mtp": []}
         rest = []
         for name, tensor in weights:
@@ -222,7 +237,12 @@ class DFlashDMTPDraftModel(DFlashQwen3ForCausalLM):
         super().load_weights(rest)
         if self.fusion is not None:
             load_named(self.fusion, own["fusion"], "the DMTP fusion")
-        load_named(self.mtp, own["mtp"], "the MTP head")
+        if isinstance(self.mtp, NativeMTPHead):
+            for name, tensor in own["mtp"]:  # lm_head_weight, token_ids of a draft vocabulary
+                getattr(self.mtp, name).copy_(tensor)
+            self.mtp.load_target_weights(self.target_path)
+        else:
+            load_named(self.mtp, own["mtp"], "the MTP head")
 
 
 def _mtp_name(name: str) -> str:

