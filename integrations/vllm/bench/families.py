@@ -96,6 +96,8 @@ def probe(path: str, family: str, method: str, prefix_caching: bool | None = Non
         settings["draft"] = draft
     command = [str(VLLM_PYTHON), __file__, "--probe", path, "--method", method, "--settings", json.dumps(settings)]
     env = vllm_env(set(range(os.cpu_count())))
+    if method != "plain":  # what the drafter proposed at each position (`first_candidates`)
+        env["DMTP_VLLM_PROPOSAL_LOG"] = "1"
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env)
     try:
         return json.loads(_answer(done.stdout, ""))
@@ -135,6 +137,7 @@ def survey(families: list[str], directory: Path) -> dict[str, dict]:
         fp32 = settings["dtype"] == "float32"
         row["dmtp_compared_with"] = "plain" if fp32 else "mtp"
         row["dmtp_identical"] = _same_tokens(plain if fp32 else mtp, dmtp)
+        row["t1_identical_to_mtp"] = _same_first_candidates(mtp, dmtp)
         row["plain_equals_transformers"] = plain["tokens"] == reference if fp32 and plain["ok"] else None
         row["transformers"] = reference
         rows[family] = row
@@ -146,6 +149,16 @@ def _same_tokens(first: dict, second: dict) -> bool | None:
     if not (first["ok"] and second["ok"]):
         return None
     return first["tokens"] == second["tokens"] and first["batch"] == second["batch"]
+
+
+def _same_first_candidates(mtp: dict, dmtp: dict) -> dict | None:
+    """Where both engines drafted after the same token of the same request: how many such positions, and whether
+    DMTP's T1 was vLLM ``mtp``'s first proposal at every one (None: one did not run)."""
+    if not (mtp["ok"] and dmtp["ok"]):
+        return None
+    common = mtp["first_candidates"].keys() & dmtp["first_candidates"].keys()
+    same = all(mtp["first_candidates"][key] == dmtp["first_candidates"][key] for key in common)
+    return {"positions": len(common), "identical": same}
 
 
 def table(rows: dict[str, dict]) -> str:
@@ -172,6 +185,9 @@ def table(rows: dict[str, dict]) -> str:
             mtp = "the same"
         versus = "n/a (bf16)" if settings["dtype"] != "float32" else "n/a"
         dmtp = f"{row['dmtp_compared_with']}: {flag(row['dmtp_identical'], 'n/a')}"
+        first = row.get("t1_identical_to_mtp")
+        if first is not None:
+            dmtp += f"; T1 = `mtp`'s first token at {first['positions']} positions: {flag(first['identical'], 'n/a')}"
         out.append(
             f"| {family} | {engine} | {cell(row['plain'])} | {mtp} | {cell(row['dmtp'])} "
             f"| {flag(row['mtp_identical_to_plain'], 'n/a')} | {dmtp} "
@@ -215,6 +231,11 @@ def _run_probe(path: str, method: str, settings: dict) -> None:
     together = engine.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)
     answer = {"ok": True, "tokens": list(alone[0].outputs[0].token_ids)}
     answer["batch"] = [list(out.outputs[0].token_ids) for out in together]
+    if speculative is not None:  # "alone/0@p" or "batch/i@p" -> the first token proposed after position p - 1
+        names = {alone[0].request_id: "alone/0", **{out.request_id: f"batch/{i}" for i, out in enumerate(together)}}
+        log = engine.collective_rpc("dmtp_proposal_log")[0] or []
+        # vLLM's internal request ids are the caller's with "-" and 8 random characters appended
+        answer["first_candidates"] = {f"{names[r.rsplit('-', 1)[0]]}@{p}": row[0] for r, p, row in log if row}
     print("@@ " + json.dumps(answer), flush=True)
 
 

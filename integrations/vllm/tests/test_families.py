@@ -66,12 +66,15 @@ def test_families_blocked_here_fail_with_their_known_error(survey):
 
 def test_dmtp_serves_qwen3_next_with_the_targets_own_head_as_vllms_mtp_decodes(survey):
     """Qwen3-Next (GatedDeltaNet trunk, bf16): DMTP's T1 comes from vLLM's Qwen3-Next MTP model loaded from the target
-    checkpoint (the draft folder holds no copy), and its greedy tokens equal those of vLLM's own `mtp` method, the
-    first prompt alone and four together. (Against plain decoding, bf16 near-ties of the random tiny model break
-    differently in speculative and plain steps, for vLLM's `mtp` as for DMTP.)"""
+    checkpoint (the draft folder holds no copy): T1 is the first token vLLM's own `mtp` method proposes at every
+    position both drafted at, and DMTP's greedy tokens equal `mtp`'s, the first prompt alone and four together.
+    (Against plain decoding, bf16 near-ties of the random tiny model break differently in speculative and plain
+    steps, for vLLM's `mtp` as for DMTP.)"""
     row = survey["qwen3_next"]
     assert row["dmtp"]["ok"], row["dmtp"]
     assert row["dmtp_compared_with"] == "mtp" and row["dmtp_identical"], row
+    # the same head gives the same first token: DMTP's T1 is `mtp`'s proposal wherever both drafted after one token
+    assert row["t1_identical_to_mtp"]["identical"] and row["t1_identical_to_mtp"]["positions"] >= 40, row
     assert len(row["dmtp"]["batch"]) == len(families.PROMPTS)
 
 

@@ -9,7 +9,8 @@ for any other draft.
 
 It also gives vLLM's workers two methods, ``dmtp_policy_report`` (`report.policy_report`) and
 ``dmtp_proposal_log`` (`report.proposal_log`), so that ``llm.collective_rpc("dmtp_policy_report")`` reads what the
-DMTP policy chose and ``collective_rpc("dmtp_proposal_log")`` what the draft proposed (``DMTP_VLLM_PROPOSAL_LOG=1``).
+DMTP policy chose and ``collective_rpc("dmtp_proposal_log")`` what the draft proposed (``DMTP_VLLM_PROPOSAL_LOG=1``;
+with it, vLLM's own drafters log their proposals too).
 
 The CPU build's stand-in for the ``expand`` kernel of vLLM's rejection sampler (``cpu_triton_utils.
 _expand_kernel_impl`` in vLLM 0.32) converts its output tensor to int64 and computes into that copy, so a float
@@ -160,6 +161,10 @@ def install() -> None:
             from .proposer import DMTPProposer
 
             self.drafter = DMTPProposer(self.vllm_config, self.device, self)
+        elif os.environ.get("DMTP_VLLM_PROPOSAL_LOG") == "1" and hasattr(self, "drafter"):
+            from .report import log_own_proposals
+
+            log_own_proposals(self)  # vLLM's own drafter, for tests that compare its proposals with DMTP's
 
     __init__._dmtp_installed = True  # type: ignore[attr-defined]
     runner_class.__init__ = __init__

@@ -63,6 +63,7 @@ from dmtp_policy.ledger import ProposalLedger
 from dmtp_policy.requests import DRAFT, LOOKUP
 
 from .model import DFlashDMTPDraftModel
+from .report import record_proposals
 from .stash import DraftStateStash
 
 __all__ = ["DMTPProposer", "PolicyOptions"]
@@ -249,7 +250,7 @@ class DMTPProposer(DFlashProposer):
         with self._section("plan"):
             out = self._plan(requests, step, proposals, confidence, lookup, lookup_counts)
         if self.proposal_log is not None and proposals is not None:
-            self._log_proposals(requests, proposals, target_positions, token_indices_to_sample, cad)
+            record_proposals(self.proposal_log, requests, proposals, target_positions, token_indices_to_sample, cad)
         return self._finish(out)
 
     # -- the pieces of the round -------------------------------------------------------------------------------
@@ -539,22 +540,6 @@ class DMTPProposer(DFlashProposer):
         for row, request in enumerate(requests):
             judged += self.ledger.resolve(request, step.history[row], int(step.history_lengths[row]))
         self.policy.learn_judged(judged)
-
-    def _log_proposals(
-        self,
-        requests: list[str],
-        proposals: torch.Tensor,
-        target_positions: torch.Tensor,
-        token_indices_to_sample: torch.Tensor | None,
-        cad: CommonAttentionMetadata,
-    ) -> None:
-        """``proposal_log``: each request's drafted row, keyed by the position of the last token it follows (the
-        bonus's; ``DMTP_VLLM_PROPOSAL_LOG=1``, a host sync per step)."""
-        if token_indices_to_sample is None:
-            token_indices_to_sample = cad.query_start_loc[1:] - 1
-        positions = (target_positions[token_indices_to_sample] + 1).tolist()
-        for request, position, row in zip(requests, positions, proposals.tolist(), strict=True):
-            self.proposal_log.append((request, position, row))
 
     def _stage(self, name: str):
         """A drafter stage, timed for the policy (and for the profile)."""

@@ -1,12 +1,15 @@
 """What the DMTP policy chose in a running engine, read from its workers: ``llm.collective_rpc("dmtp_policy_report")``
-(the hook gives vLLM's workers this function as a method)."""
+(the hook gives vLLM's workers this function as a method); and what a drafter proposed, DMTP's or vLLM's own
+(``DMTP_VLLM_PROPOSAL_LOG=1``, ``collective_rpc("dmtp_proposal_log")``), so tests compare two engines' proposals at
+the same positions (DMTP's T1 against vLLM's ``mtp`` method's first token, say)."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict
 from typing import Any
 
-__all__ = ["policy_report", "proposal_log"]
+__all__ = ["log_own_proposals", "policy_report", "proposal_log", "record_proposals"]
 
 
 def policy_report(worker: Any) -> dict[str, Any] | None:
@@ -41,3 +44,44 @@ def proposal_log(worker: Any) -> list[tuple[str, int, list[int]]] | None:
     drafter = getattr(getattr(worker, "model_runner", None), "drafter", None)
     log = getattr(drafter, "proposal_log", None)
     return None if log is None else list(log)
+
+
+def record_proposals(
+    log: list[tuple[str, int, list[int]]],
+    requests: list[str],
+    proposals: Any,
+    target_positions: Any,
+    token_indices_to_sample: Any,
+    common_attn_metadata: Any,
+) -> None:
+    """Append each request's drafted row ``proposals`` ``[B, k]`` to ``log``, keyed by the position of the last token it
+    follows (the bonus's: one past the last processed position of the request; a host sync)."""
+    if token_indices_to_sample is None:
+        token_indices_to_sample = common_attn_metadata.query_start_loc[1:] - 1
+    positions = (target_positions[token_indices_to_sample] + 1).tolist()
+    for request, position, row in zip(requests, positions, proposals.tolist(), strict=True):
+        log.append((request, position, row))
+
+
+def log_own_proposals(runner: Any) -> None:
+    """Give vLLM's own drafter of ``runner`` (EAGLE, MTP, DFlash) a ``proposal_log`` that every ``propose`` fills."""
+    drafter = runner.drafter
+    drafter.proposal_log = []
+    propose = drafter.propose
+
+    @functools.wraps(propose)
+    def logged(*args: Any, **kwargs: Any) -> Any:
+        proposals = propose(*args, **kwargs)
+        cad = kwargs["common_attn_metadata"]
+        requests = list(runner.input_batch.req_ids[: cad.batch_size()])
+        record_proposals(
+            drafter.proposal_log,
+            requests,
+            proposals,
+            kwargs["target_positions"],
+            kwargs["token_indices_to_sample"],
+            cad,
+        )
+        return proposals
+
+    drafter.propose = logged
