@@ -61,8 +61,9 @@ from dmtp_hf.modeling.native_mtp.loading import load_target_checkpoint, mtp_igno
 __all__ = [
     "FAMILIES",
     "VLLM_KERNEL_SHAPES",
+    "continue_into_dmtp",
     "load_tiny_target",
-    "make_tiny_dmtp_draft",
+    "make_tiny_dflash_draft",
     "make_tiny_target",
     "mtp_ignore_patterns",
     "read_checkpoint_tensors",
@@ -445,16 +446,15 @@ def load_tiny_target(path: str | Path, **kwargs: Any) -> PreTrainedModel:
     return load_target_checkpoint(path, **kwargs)
 
 
-def make_tiny_dmtp_draft(target: str | Path, directory: str | Path, *, seed: int = 1) -> Path:
-    """A random DMTP draft (dual anchors, residual fusion, one block layer) for the tiny target checkpoint at
-    ``target``, saved in dmtp-hf's format under ``directory``: its features are the target's first and last layers,
-    its attention heads of 32 with the target's number of KV heads (vLLM's CPU kernels take heads of 32 and up, and its
-    hybrid KV cache groups keep a drafter's layers with the target's full-attention layers when their shapes match),
-    and its fusion non-zero, so that a fusion the engine drops changes the proposals."""
-    from dmtp_hf import DMTPConfig, DMTPDraftModel
+def _tiny_draft_config(target: str | Path, **overrides: Any):
+    """A one-layer draft's config for the tiny target at ``target``: its features are the target's first and last
+    layers, its attention heads of 32 with the target's number of KV heads (vLLM's CPU kernels take heads of 32 and
+    up, and its hybrid KV cache groups keep a drafter's layers with the target's full-attention layers when their
+    shapes match)."""
+    from dmtp_hf import DMTPConfig
 
     text = load_target_checkpoint(target).config.get_text_config()
-    config = DMTPConfig(
+    return DMTPConfig(
         vocab_size=text.vocab_size,
         hidden_size=text.hidden_size,
         intermediate_size=2 * text.hidden_size,
@@ -465,15 +465,60 @@ def make_tiny_dmtp_draft(target: str | Path, directory: str | Path, *, seed: int
         num_target_layers=text.num_hidden_layers,
         target_layer_ids=[0, text.num_hidden_layers - 1],
         mask_token_id=text.vocab_size - 1,
+        **overrides,
     )
+
+
+def make_tiny_dflash_draft(target: str | Path, directory: str | Path, *, seed: int = 1) -> Path:
+    """A random DFlash draft for the tiny target at ``target`` in z-lab's layout (``DFlashDraftModel``, what z-lab
+    publishes), one block layer shaped for vLLM's CPU kernels (`_tiny_draft_config`)."""
+    from dmtp_hf import DMTPDraftModel
+
     torch.manual_seed(seed)
-    draft = DMTPDraftModel(config).eval()
-    with torch.no_grad():
-        for parameter in draft.fusion.parameters():
-            parameter.add_(torch.randn_like(parameter) * 0.05)
     path = Path(directory)
-    draft.save_pretrained(path)
+    DMTPDraftModel(_tiny_draft_config(target, anchor_layout="dflash", fusion="none")).save_dflash(path)
     return path
+
+
+def continue_into_dmtp(
+    target: str | Path, dflash: str | Path, directory: str | Path, *, steps: int = 3, seed: int = 0
+) -> Path:
+    """The path from a DFlash checkpoint to a DMTP draft, in miniature: the DFlash draft at ``dflash`` continued as a
+    dual-anchor DMTP draft with the residual fusion (zero at the start: DFlash conditioned on T1) for ``steps``
+    training steps on random tokens, the target's own MTP head frozen (`dmtp_hf.training.Trainer`). Returns the
+    trained draft's folder (``directory/final``)."""
+    from dmtp_hf.training import TrainConfig, Trainer
+    from dmtp_hf.training.data import TokenizedDataset
+
+    model = load_target_checkpoint(target)
+    vocab = model.config.get_text_config().vocab_size
+    generator = torch.Generator().manual_seed(seed)
+    tokens = [torch.randint(0, vocab - 1, (24,), generator=generator) for _ in range(8)]
+    data = TokenizedDataset([{"input_ids": ids, "loss_mask": torch.ones_like(ids)} for ids in tokens])
+    config = TrainConfig.from_dict(
+        {
+            "target_model": str(target),
+            "init_from": str(dflash),
+            "anchor_layout": "dual",
+            "fusion": "residual",
+            "draft_config": {"mask_token_id": vocab - 1},
+            "train_data": "unused",  # the dataset is given
+            "max_length": 32,
+            "num_anchors": 8,
+            "micro_batch_size": 4,
+            "max_steps": steps,
+            "learning_rate": 3e-3,
+            "warmup_ratio": 0.1,
+            "output_dir": str(directory),
+            "save_every": 0,
+            "eval_every": 0,
+            "report_to": "none",
+            "resume_from": None,
+            "seed": seed,
+        }
+    )
+    Trainer(config, target=model, train_dataset=data).train()
+    return Path(directory) / "final"
 
 
 def make_tiny_llama(directory: str | Path, *, seed: int = 0, vocab_size: int = 128) -> Path:

@@ -1,8 +1,10 @@
 """What vLLM's CPU build runs of each native-MTP family: tiny checkpoints in each family's real layout
 (`dmtp_hf_assets.tiny_targets`, shaped for vLLM's CPU kernels), each served plainly, with vLLM's own ``mtp`` method
-and with DMTP (a random tiny DMTP draft whose head is the target's own, `dmtp_hf_assets.tiny_targets.
-make_tiny_dmtp_draft`, exported by ``dmtp convert --to vllm``), every engine in its own process so that one that fails
-to start cannot take the others down. Each engine decodes `PROMPTS`, the first alone (batch 1) and all four together.
+and with DMTP, the draft made as a user makes one from a z-lab DFlash checkpoint (a random DFlash draft in z-lab's
+layout, continued into a DMTP draft whose head is the target's own for three training steps,
+`dmtp_hf_assets.tiny_targets.continue_into_dmtp`, exported by ``dmtp convert --to vllm``), every engine in its own
+process so that one that fails to start cannot take the others down. Each engine decodes `PROMPTS`, the first alone
+(batch 1) and all four together.
 
 Per family it records whether each engine runs, the exact error where one does not (the root cause from the
 engine's log, and the function it came from), whether ``mtp``'s greedy tokens equal plain's, whether DMTP's equal
@@ -11,7 +13,7 @@ near-ties break differently between them, while two speculative engines verify a
 greedy tokens equal Transformers' on the same checkpoint (fp32 families only: in bf16 two correct implementations
 may break near-ties differently). Prints the table, writes ``reports/vllm/families.json``.
 
-    .venv-vllm/bin/python integrations/vllm/bench/families.py        # after `make test-vllm`, about 5 minutes
+    .venv-vllm/bin/python integrations/vllm/bench/families.py        # after `make test-vllm`, about 8 minutes
 
 Standard library only here; the probes run in vLLM's environment, the checkpoints and Transformers' reference in
 dmtp-hf's (``$DMTP_HF_PYTHON``, default the repository's ``.venv``).
@@ -63,18 +65,19 @@ def engine_settings(family: str) -> dict:
 
 
 def make_targets(directory: Path, families: list[str]) -> dict[str, dict]:
-    """Each family's tiny vLLM-shaped checkpoint under ``directory``, its DMTP draft exported for vLLM, and
-    Transformers' greedy tokens for `PROMPT` (fp32), from dmtp-hf's environment."""
+    """Each family's tiny vLLM-shaped checkpoint under ``directory``, its DMTP draft (from a z-lab DFlash checkpoint)
+    exported for vLLM, and Transformers' greedy tokens for `PROMPT` (fp32), from dmtp-hf's environment."""
     script = f"""
 import json, sys, torch
 from dmtp_hf.cli import main as dmtp
-from dmtp_hf_assets.tiny_targets import load_tiny_target, make_tiny_dmtp_draft, make_tiny_target
+from dmtp_hf_assets.tiny_targets import continue_into_dmtp, load_tiny_target, make_tiny_dflash_draft, make_tiny_target
 out = {{}}
 for family in {list(families)!r}:
     root = {str(directory)!r} + "/" + family
     path = make_tiny_target(family, root + "/target", vllm_kernels=True)
-    make_tiny_dmtp_draft(path, root + "/dmtp")
-    dmtp(["convert", root + "/dmtp", root + "/dmtp-vllm", "--to", "vllm", "--target", str(path)])
+    make_tiny_dflash_draft(path, root + "/dflash")  # a z-lab DFlash checkpoint ...
+    draft = continue_into_dmtp(path, root + "/dflash", root + "/run")  # ... continued into DMTP for 3 steps
+    dmtp(["convert", str(draft), root + "/dmtp-vllm", "--to", "vllm", "--target", str(path)])
     model = load_tiny_target(path).eval()
     ids = model.generate(torch.tensor([{PROMPT!r}]), max_new_tokens={NEW_TOKENS}, do_sample=False,
                          min_new_tokens={NEW_TOKENS})
