@@ -4,6 +4,7 @@ alone (no engine, no weights: these tests start no vLLM and need no target on di
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -187,3 +188,21 @@ def test_the_engine_refuses_an_unconverted_folder_before_loading_the_target(targ
     )
     with pytest.raises(DraftFolderError, match="not converted for vLLM"):
         args.create_engine_config()
+
+
+def test_a_dmtp_draft_runs_on_the_v1_model_runner_whatever_vllm_would_pick(exported, target, monkeypatch):
+    """With Triton vLLM 0.32 picks its V2 model runner, where a DMTP folder would run as plain DFlash without a word:
+    building the engine's config for a DMTP draft sets VLLM_USE_V2_MODEL_RUNNER=0 (the engine's processes start
+    with it), and an explicit request for V2 is refused by name."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from dmtp_vllm.hook import require_v1_model_runner
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")  # recorded, so that the variable is unset again after
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
+    spec = {"method": "dflash", "model": str(exported["dmtp"]), "num_speculative_tokens": 7}
+    config = EngineArgs(model=str(target), dtype="float32", max_model_len=1024, speculative_config=spec)
+    config.create_engine_config()
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    with pytest.raises(RuntimeError, match="V1 model runner.*VLLM_USE_V2_MODEL_RUNNER='1'"):
+        require_v1_model_runner({"VLLM_USE_V2_MODEL_RUNNER": "1"})

@@ -21,7 +21,8 @@ a correct implementation in its place before the CPU platform registers its kern
 
 And it checks the draft folder when vLLM builds its speculative config (``EngineArgs.create_speculative_config``,
 before any weights load): `checks.check_draft` refuses a folder vLLM would otherwise fail on only after loading the
-target (`check_drafts_before_loading`).
+target (`check_drafts_before_loading`); for a DMTP folder it also makes the engine run the V1 model runner, whose
+drafter the hook replaces (`require_v1_model_runner`: with Triton, vLLM would pick V2 and run the folder as DFlash).
 
 All three depend on vLLM's attribute names, so it is pinned to the vLLM versions it was written against:
 `install` raises `UnsupportedVLLMVersion` on any other version rather than run a silently different round.
@@ -42,6 +43,7 @@ __all__ = [
     "fix_cpu_expand_kernel",
     "install",
     "is_dmtp_draft",
+    "require_v1_model_runner",
 ]
 
 SUPPORTED_VLLM = ("0.32.",)  # version prefixes whose runner this hook was read against
@@ -125,10 +127,39 @@ def check_drafts_before_loading() -> None:
             if not os.path.isdir(target_model_config.model):  # a Hub id: the config vLLM already read
                 target_config = target_model_config.hf_config.to_dict()
             check_draft(draft, target_model_config.model, target_config)
+            from .model import ARCHITECTURE
+
+            if _folder_architecture(draft) == ARCHITECTURE:
+                require_v1_model_runner()
         return original(self, target_model_config, *args, **kwargs)
 
     create_speculative_config._dmtp_installed = True  # type: ignore[attr-defined]
     EngineArgs.create_speculative_config = create_speculative_config
+
+
+def require_v1_model_runner(environ: dict[str, str] | None = None) -> None:
+    """Make the engine about to start run vLLM's V1 model runner, whose drafter the hook replaces by DMTP's.
+
+    With Triton (any GPU build) vLLM 0.32 runs its V2 model runner by default, and there a DMTP folder would run as
+    vLLM's own DFlash (the block without T1: lossless, but not DMTP) without a word. The engine's processes start
+    after this, with this environment (``VLLM_USE_V2_MODEL_RUNNER=0``); asking for V2 explicitly is refused."""
+    environ = os.environ if environ is None else environ
+    asked = environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    if asked is not None and asked.strip() not in ("", "0"):
+        raise RuntimeError(
+            f"dmtp-vllm runs DMTP drafts on vLLM's V1 model runner, but VLLM_USE_V2_MODEL_RUNNER={asked!r} asks for "
+            "V2 (where the folder would run as plain DFlash, without T1): unset it, or serve a DFlash draft"
+        )
+    environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+
+
+def _folder_architecture(folder: str) -> str | None:
+    """The first of ``architectures`` in ``folder``'s config.json (None when unreadable)."""
+    try:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+            return (json.load(f).get("architectures") or [None])[0]
+    except (OSError, ValueError, AttributeError, IndexError):
+        return None
 
 
 def _is_dmtp_hf_folder(folder: str) -> bool:
