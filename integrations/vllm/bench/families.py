@@ -88,17 +88,26 @@ print("@@ " + json.dumps(out))
     return json.loads(_answer(done.stdout, done.stderr))
 
 
-def probe(path: str, family: str, method: str, prefix_caching: bool | None = None, draft: str | None = None) -> dict:
+def probe(
+    path: str,
+    family: str,
+    method: str,
+    prefix_caching: bool | None = None,
+    draft: str | None = None,
+    engine: dict | None = None,
+    environ: dict[str, str] | None = None,
+) -> dict:
     """One engine for the checkpoint at ``path`` (``method``: ``"plain"``, ``"mtp"``, or ``"dmtp"`` with the vLLM
     folder ``draft``), in its own process: ``{"ok": True, "tokens": [...], "batch": [[...], ...]}`` (`PROMPT` alone,
-    `PROMPTS` together) or ``{"ok": False, "error": root cause, "raised_in": function}``."""
-    settings = engine_settings(family)
+    `PROMPTS` together) or ``{"ok": False, "error": root cause, "raised_in": function}``. ``engine``: settings
+    that replace `engine_settings`' (``dtype``, ``prefix_caching``); ``environ``: variables for the engine's process."""
+    settings = {**engine_settings(family), **(engine or {})}
     if prefix_caching is not None:
         settings["prefix_caching"] = prefix_caching
     if draft is not None:
         settings["draft"] = draft
     command = [str(VLLM_PYTHON), __file__, "--probe", path, "--method", method, "--settings", json.dumps(settings)]
-    env = vllm_env(set(range(os.cpu_count())))
+    env = {**vllm_env(set(range(os.cpu_count()))), **(environ or {})}
     if method != "plain":  # what the drafter proposed at each position (`first_candidates`)
         env["DMTP_VLLM_PROPOSAL_LOG"] = "1"
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env)
@@ -124,18 +133,22 @@ def root_cause(log: str) -> dict:
     return {"error": "no error line in the log: " + (lines[-1] if lines else "(empty)"), "raised_in": ""}
 
 
-def survey(families: list[str], directory: Path) -> dict[str, dict]:
-    """Every family's row (module docstring)."""
+def survey(
+    families: list[str], directory: Path, engine: dict | None = None, environ: dict[str, str] | None = None
+) -> dict[str, dict]:
+    """Every family's row (module docstring); ``engine`` and ``environ`` as `probe` takes them, for every engine."""
     targets = make_targets(directory, families)
     rows = {}
     for family in families:
         path, reference = targets[family]["path"], targets[family]["transformers"]
-        settings = engine_settings(family)
-        row = {"settings": settings, "plain": probe(path, family, "plain"), "mtp": probe(path, family, "mtp")}
-        row["dmtp"] = probe(path, family, "dmtp", draft=targets[family]["draft"])
+        settings = {**engine_settings(family), **(engine or {})}
+        options = {"engine": engine, "environ": environ}
+        row = {"settings": settings, "plain": probe(path, family, "plain", **options)}
+        row["mtp"] = probe(path, family, "mtp", **options)
+        row["dmtp"] = probe(path, family, "dmtp", draft=targets[family]["draft"], **options)
         plain, mtp, dmtp = row["plain"], row["mtp"], row["dmtp"]
-        if family in GATED_DELTA_NET and mtp["ok"]:
-            row["mtp_with_prefix_caching"] = probe(path, family, "mtp", prefix_caching=True)
+        if family in GATED_DELTA_NET and mtp["ok"] and not settings["prefix_caching"]:
+            row["mtp_with_prefix_caching"] = probe(path, family, "mtp", prefix_caching=True, **options)
         row["mtp_identical_to_plain"] = _same_tokens(plain, mtp)
         fp32 = settings["dtype"] == "float32"
         row["dmtp_compared_with"] = "plain" if fp32 else "mtp"

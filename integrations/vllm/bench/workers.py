@@ -10,7 +10,8 @@ import subprocess
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[3]
-VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+# vLLM's environment (its CPU build here; DMTP_VLLM_PYTHON points at another, such as a GPU build's)
+VLLM_PYTHON = Path(os.environ.get("DMTP_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
 HERE = Path(__file__).resolve().parent
 
 # vLLM's n-gram proposer as the benchmarks run it: n-grams of 2 to 4 tokens, like the plugin's prompt lookup
