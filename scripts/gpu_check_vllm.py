@@ -8,7 +8,11 @@ on, once per model runner, and prints one line per check:
 * V1 and V2: plain decoding and vLLM's ``mtp`` method start and decode;
 * V1: DMTP starts, its greedy tokens equal ``mtp``'s (the first prompt alone and four together), and its T1 is
   ``mtp``'s first proposal at every position both drafted at;
-* V2: a DMTP draft is refused by name (the plugin runs on V1, where it replaces the drafter).
+* V2: a DMTP draft is refused by name (the plugin runs on V1, where it replaces the drafter);
+* and, for information (not a check), whether vLLM's n-gram method, which proposes nothing at most steps on these
+  prompts, decodes as plain decoding does: on the CPU build it does not on hybrid targets (a request verifying no
+  proposal decodes wrong tokens), which is why the plugin verifies every proposal there; on a GPU, this line says
+  whether that rule is needed.
 
 vLLM's environment is ``$DMTP_VLLM_PYTHON`` (a CUDA build's; default the repository's ``.venv-vllm``), the
 checkpoints are made in this one. An engine that cannot start is a failed check, never a skip. Writes
@@ -70,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as directory:
             environ = {"VLLM_USE_V2_MODEL_RUNNER": RUNNERS[runner]}
             rows = families.survey(args.families.split(","), Path(directory), engine=engine, environ=environ)
+            for family, row in rows.items():  # (the checkpoints are still in `directory`)
+                ngram = families.probe(row["path"], family, "ngram", engine=engine, environ=environ)
+                row["ngram"], row["ngram_identical_to_plain"] = ngram, families.same_tokens(row["plain"], ngram)
+                print(f"INFO  {runner} {family} n-gram greedy = plain: {row['ngram_identical_to_plain']}", flush=True)
         results = checks(runner, rows)
         for result in results:
             print(f"{'PASS' if result['ok'] else 'FAIL'}  {result['check']}  {result['detail']}", flush=True)

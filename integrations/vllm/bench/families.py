@@ -97,10 +97,11 @@ def probe(
     engine: dict | None = None,
     environ: dict[str, str] | None = None,
 ) -> dict:
-    """One engine for the checkpoint at ``path`` (``method``: ``"plain"``, ``"mtp"``, or ``"dmtp"`` with the vLLM
-    folder ``draft``), in its own process: ``{"ok": True, "tokens": [...], "batch": [[...], ...]}`` (`PROMPT` alone,
-    `PROMPTS` together) or ``{"ok": False, "error": root cause, "raised_in": function}``. ``engine``: settings
-    that replace `engine_settings`' (``dtype``, ``prefix_caching``); ``environ``: variables for the engine's process."""
+    """One engine for the checkpoint at ``path`` (``method``: ``"plain"``, ``"mtp"``, ``"ngram"``, or ``"dmtp"`` with
+    the vLLM folder ``draft``), in its own process: ``{"ok": True, "tokens": [...], "batch": [[...], ...]}``
+    (`PROMPT` alone, `PROMPTS` together) or ``{"ok": False, "error": root cause, "raised_in": function}``.
+    ``engine``: settings that replace `engine_settings`' (``dtype``, ``prefix_caching``); ``environ``: variables for
+    the engine's process."""
     settings = {**engine_settings(family), **(engine or {})}
     if prefix_caching is not None:
         settings["prefix_caching"] = prefix_caching
@@ -149,18 +150,19 @@ def survey(
         plain, mtp, dmtp = row["plain"], row["mtp"], row["dmtp"]
         if family in GATED_DELTA_NET and mtp["ok"] and not settings["prefix_caching"]:
             row["mtp_with_prefix_caching"] = probe(path, family, "mtp", prefix_caching=True, **options)
-        row["mtp_identical_to_plain"] = _same_tokens(plain, mtp)
+        row["mtp_identical_to_plain"] = same_tokens(plain, mtp)
         fp32 = settings["dtype"] == "float32"
         row["dmtp_compared_with"] = "plain" if fp32 else "mtp"
-        row["dmtp_identical"] = _same_tokens(plain if fp32 else mtp, dmtp)
+        row["dmtp_identical"] = same_tokens(plain if fp32 else mtp, dmtp)
         row["t1_identical_to_mtp"] = _same_first_candidates(mtp, dmtp)
         row["plain_equals_transformers"] = plain["tokens"] == reference if fp32 and plain["ok"] else None
         row["transformers"] = reference
+        row["path"] = path
         rows[family] = row
     return rows
 
 
-def _same_tokens(first: dict, second: dict) -> bool | None:
+def same_tokens(first: dict, second: dict) -> bool | None:
     """Whether two engines decoded the same greedy tokens, alone and in the batch (None: one did not run)."""
     if not (first["ok"] and second["ok"]):
         return None
@@ -229,6 +231,8 @@ def _run_probe(path: str, method: str, settings: dict) -> None:
         speculative = {"method": "mtp", "num_speculative_tokens": 1}
     elif method == "dmtp":
         speculative = {"method": "dflash", "model": settings["draft"], "num_speculative_tokens": 7}
+    elif method == "ngram":  # on these prompts mostly no proposal: steps where a request verifies none
+        speculative = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 2}
 
     engine = LLM(
         model=path,
