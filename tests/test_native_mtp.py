@@ -533,6 +533,24 @@ def test_vllm_folder_of_a_native_head_holds_no_copy_of_it(tiny, family, tmp_path
     assert not any(name.startswith("mtp.") for name in names) and any(name.startswith("fusion.") for name in names)
 
 
+def test_a_tuned_native_head_is_sent_through_the_target_not_dropped_from_the_vllm_folder(tiny, tmp_path, capsys):
+    """The plugin reads a family's own head from the target checkpoint, so `--mtp-head` with a tuned native head would
+    be served as the untuned one: the export refuses it and names `dmtp export-mtp`."""
+    from conftest import draft_for
+
+    from dmtp_hf.cli import main
+
+    path, target, head = tiny("qwen3_5")
+    draft_for(target).save_pretrained(tmp_path / "draft")
+    save_mtp_head(head, tmp_path / "head", target)
+    command = ["convert", str(tmp_path / "draft"), str(tmp_path / "vllm"), "--to", "vllm", "--target", str(path)]
+    assert main([*command, "--mtp-head", str(tmp_path / "head")]) != 0
+    error = capsys.readouterr().err
+    assert "is a tuned qwen3_5 head" in error and "`dmtp export-mtp" in error
+    assert not (tmp_path / "vllm").exists()
+    assert main(command) == 0  # the target's own head: nothing to copy
+
+
 def test_post_and_pre_norm_target_hidden(tiny):
     _, target, _ = tiny("qwen3_5")
     ids = prompt_ids(length=6, seed=8)

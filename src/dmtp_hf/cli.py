@@ -65,6 +65,13 @@ def _bind_for_export(model, args: argparse.Namespace):
     head = None
     if model.config.anchor_layout != "dflash" or args.mtp_head is not None:
         head = load_native_mtp(target, checkpoint=args.mtp_head, hidden_input=model.config.mtp_hidden_input)
+    if args.to == "vllm" and args.mtp_head is not None and head.layout.name != "retrofit":
+        raise ValueError(
+            f"{args.mtp_head} is a tuned {head.layout.name} head, and the vLLM plugin reads a family's own head from "
+            f"the target checkpoint. Write it into a copy of the target first: `dmtp export-mtp {args.mtp_head} "
+            f"{args.target} TARGET_WITH_HEAD`, then convert with --target TARGET_WITH_HEAD (no --mtp-head) and serve "
+            "TARGET_WITH_HEAD"
+        )
     model.bind(target, native_mtp=head)
     return head
 

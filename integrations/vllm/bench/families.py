@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workers import REPO, VLLM_PYTHON, vllm_env  # noqa: E402
@@ -85,7 +86,7 @@ for family in {list(families)!r}:
 print("@@ " + json.dumps(out))
 """
     done = subprocess.run([HF_PYTHON, "-c", script], capture_output=True, text=True, cwd=REPO)
-    return json.loads(_answer(done.stdout, done.stderr))
+    return json.loads(answer_line(done.stdout, done.stderr))
 
 
 def probe(
@@ -113,7 +114,7 @@ def probe(
         env["DMTP_VLLM_PROPOSAL_LOG"] = "1"
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env)
     try:
-        return json.loads(_answer(done.stdout, ""))
+        return json.loads(answer_line(done.stdout, ""))
     except RuntimeError:
         return {"ok": False, **root_cause(done.stdout + "\n" + done.stderr)}
 
@@ -214,17 +215,39 @@ def table(rows: dict[str, dict]) -> str:
     return "\n".join(out)
 
 
-def _answer(stdout: str, stderr: str) -> str:
+def answer_line(stdout: str, stderr: str) -> str:
+    """A worker process's answer: its ``@@ `` line, without the marker (``RuntimeError`` with the end of ``stderr``
+    when there is none)."""
     for line in stdout.splitlines():
         if line.startswith("@@ "):
             return line[3:]
     raise RuntimeError(f"no answer line; stderr ends: {stderr[-2000:]}")
 
 
+def tiny_engine(path: str, settings: dict, speculative: dict | None, max_num_seqs: int = 4) -> Any:
+    """A vLLM engine for a tiny checkpoint as these probes run one: eager, no tokenizer (token-id prompts), small
+    caches, ``settings``' dtype and prefix caching, the speculative counters kept (vLLM's environment only)."""
+    from vllm import LLM
+
+    return LLM(
+        model=path,
+        dtype=settings["dtype"],
+        max_model_len=256,
+        max_num_seqs=max_num_seqs,
+        kv_cache_memory_bytes=64 << 20,
+        enable_prefix_caching=settings["prefix_caching"],
+        speculative_config=speculative,
+        seed=0,
+        enforce_eager=True,
+        skip_tokenizer_init=True,
+        disable_log_stats=False,
+    )
+
+
 def _run_probe(path: str, method: str, settings: dict) -> None:
     """In a probe's own process (vLLM's environment): start the engine, decode `PROMPT` alone and `PROMPTS`
     together greedily, answer."""
-    from vllm import LLM, SamplingParams, TokensPrompt
+    from vllm import SamplingParams, TokensPrompt
 
     speculative = None
     if method == "mtp":
@@ -234,18 +257,7 @@ def _run_probe(path: str, method: str, settings: dict) -> None:
     elif method == "ngram":  # on these prompts mostly no proposal: steps where a request verifies none
         speculative = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 2}
 
-    engine = LLM(
-        model=path,
-        dtype=settings["dtype"],
-        max_model_len=256,
-        max_num_seqs=4,
-        kv_cache_memory_bytes=64 << 20,
-        enable_prefix_caching=settings["prefix_caching"],
-        speculative_config=speculative,
-        seed=0,
-        enforce_eager=True,
-        skip_tokenizer_init=True,
-    )
+    engine = tiny_engine(path, settings, speculative)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     alone = engine.generate([TokensPrompt(prompt_token_ids=PROMPT)], params, use_tqdm=False)
     together = engine.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)

@@ -110,29 +110,15 @@ def vllm_decode(target: Path, draft: Path, family: str, prompts: list[list[int]]
     command = [str(families.VLLM_PYTHON), __file__, "--vllm", str(target), "--settings", json.dumps(settings)]
     env = families.vllm_env(set(range(os.cpu_count())))
     done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=families.REPO)
-    for line in done.stdout.splitlines():
-        if line.startswith("@@ "):
-            return json.loads(line[3:])
-    raise RuntimeError(f"vLLM's engine gave no answer: {families.root_cause(done.stdout + done.stderr)}")
+    return json.loads(families.answer_line(done.stdout, done.stderr))
 
 
 def _run_vllm(target: str, settings: dict) -> None:
     """In vLLM's environment: decode each prompt alone, report tokens and the speculative counters."""
-    from vllm import LLM, SamplingParams, TokensPrompt
+    from vllm import SamplingParams, TokensPrompt
 
-    engine = LLM(
-        model=target,
-        dtype=settings["dtype"],
-        max_model_len=256,
-        max_num_seqs=1,
-        kv_cache_memory_bytes=64 << 20,
-        enable_prefix_caching=settings["prefix_caching"],
-        speculative_config={"method": "dflash", "model": settings["draft"], "num_speculative_tokens": 7},
-        seed=0,
-        enforce_eager=True,
-        skip_tokenizer_init=True,
-        disable_log_stats=False,
-    )
+    speculative = {"method": "dflash", "model": settings["draft"], "num_speculative_tokens": 7}
+    engine = families.tiny_engine(target, settings, speculative, max_num_seqs=1)
     params = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     tokens = []
     for prompt in settings["prompts"]:

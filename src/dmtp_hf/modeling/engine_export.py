@@ -115,7 +115,9 @@ def save_vllm_draft(
     draft: nn.Module, head: nn.Module, save_directory: str | os.PathLike, dtype: torch.dtype | None = None
 ) -> None:
     """Write ``draft`` (a `DMTPDraftModel` bound to its target) and its MTP ``head`` (a `NativeMTPHead`) as one
-    folder for vLLM with the ``dmtp-vllm`` plugin (see the module docstring)."""
+    folder for vLLM with the ``dmtp-vllm`` plugin (see the module docstring). A family's own head is not written: the
+    plugin reads the target checkpoint's, so a tuned one goes into a copy of the target first (``dmtp
+    export-mtp``)."""
     config = draft.config
     if config.anchor_layout != "dual" or config.fusion not in ("residual", "none"):
         raise ValueError(
@@ -127,14 +129,14 @@ def save_vllm_draft(
     tensors = backbone_state_dict(dflash_state_dict(draft))
     if draft.fusion is not None:
         tensors.update({f"fusion.{k}": v.detach() for k, v in draft.fusion.state_dict().items()})
-    if is_retrofitted(head):  # a family's own head stays in the target checkpoint
+    if is_retrofitted(head):  # a family's own head stays in the target checkpoint (module docstring)
         for name, tensor in head.state_dict().items():
             if name not in ("d2t", "t2d") and "rotary_emb" not in name:
                 tensors[f"mtp.{name}"] = tensor.detach()
-    mtp_head = draft_vocab_lm_head(head, head.lm_head)
-    if mtp_head is not None:
-        tensors["mtp.lm_head.weight"] = mtp_head
-        tensors["mtp.token_ids"] = draft_token_ids(head)
+        mtp_head = draft_vocab_lm_head(head, head.lm_head)
+        if mtp_head is not None:
+            tensors["mtp.lm_head.weight"] = mtp_head
+            tensors["mtp.token_ids"] = draft_token_ids(head)
     tensors = {
         k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous() for k, v in tensors.items()
     }

@@ -218,14 +218,14 @@ class DFlashDMTPDraftModel(DFlashQwen3ForCausalLM):
         head = dmtp["mtp"]
         self.target_path = vllm_config.model_config.model  # where a family's own head is read from
         if head.get("source") == "target":
-            self.mtp = NativeMTPHead(vllm_config, head["layout"], head, prefix=maybe_prefix(prefix, "mtp"))
+            self.mtp = NativeMTPHead(vllm_config, head["layout"], prefix=maybe_prefix(prefix, "mtp"))
         else:
             layer_index = vllm_config.model_config.get_total_num_hidden_layers() + config.num_hidden_layers
             self.mtp = MTPHead(vllm_config, target_config, head, layer_index, prefix=maybe_prefix(prefix, "mtp"))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """DFlash tensors through vLLM's DFlash loader; ``fusion.*`` and ``mtp.*`` into this model's modules; a
-        family's own head from the target checkpoint (``mtp.*`` then holds at most a draft vocabulary's LM head)."""
+        family's own head from the target checkpoint (the folder then holds no ``mtp.*``)."""
         own: dict[str, list[tuple[str, torch.Tensor]]] = {"fusion": [], "mtp": []}
         rest = []
         for name, tensor in weights:
@@ -238,8 +238,11 @@ class DFlashDMTPDraftModel(DFlashQwen3ForCausalLM):
         if self.fusion is not None:
             load_named(self.fusion, own["fusion"], "the DMTP fusion")
         if isinstance(self.mtp, NativeMTPHead):
-            for name, tensor in own["mtp"]:  # lm_head_weight, token_ids of a draft vocabulary
-                getattr(self.mtp, name).copy_(tensor)
+            if own["mtp"]:
+                raise ValueError(
+                    f"This DMTP folder names the target's own head (dmtp_config.mtp.source 'target') but carries "
+                    f"head tensors {[name for name, _ in own['mtp']][:5]}: export it again with `dmtp convert`"
+                )
             self.mtp.load_target_weights(self.target_path)
         else:
             load_named(self.mtp, own["mtp"], "the MTP head")

@@ -6,8 +6,9 @@ folder holds no copy of the head (``dmtp_config.mtp.source == "target"``): the p
 model from the target's config and loads it from the target's checkpoint, through that model's own
 ``load_weights`` (its names, its fused projections and experts), reading only the files that hold head tensors.
 Its embedding and LM head are dropped before loading: the head reads the target's embedding (the block's, which
-vLLM shares with the target) and T1 comes from the target's LM head, as in vLLM's own ``mtp`` method, where the
-checkpoint's copies (DeepSeek's and GLM's ``shared_head.head``) are the LM head's rows.
+vLLM shares with the target) and T1 comes from the target's LM head over the whole vocabulary, as in vLLM's own
+``mtp`` method, where the checkpoint's copies (DeepSeek's and GLM's ``shared_head.head``) are the LM head's rows. (A
+target checkpoint's head has no draft vocabulary: ``dmtp export-mtp`` refuses one.)
 
 What each family's vLLM model returns differs: MiMo and the Qwen families return ``g`` (after the head's final
 norm), GLM the hidden before it (its ``shared_head.norm`` gives ``g``), DeepSeek both. `NativeMTPHead` returns ``g``
@@ -24,7 +25,6 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -109,7 +109,7 @@ class NativeMTPHead(nn.Module):
     docstring). Built in the draft's own ``__init__`` (``vllm_config.model_config`` is the target's there, as for
     vLLM's ``mtp`` method), under ``prefix`` so its attention layers get KV caches of their own."""
 
-    def __init__(self, vllm_config: VllmConfig, layout: str, head_config: dict[str, Any], prefix: str = ""):
+    def __init__(self, vllm_config: VllmConfig, layout: str, prefix: str = ""):
         super().__init__()
         if layout not in NATIVE_FAMILIES:
             raise NotImplementedError(
@@ -125,11 +125,6 @@ class NativeMTPHead(nn.Module):
         self.final_norm = None
         if self.family.final_norm is not None:
             self.final_norm = self.model.get_submodule(self.family.final_norm.format(N=self.num_target_layers))
-        vocab = head_config.get("draft_vocab_size")
-        # A draft vocabulary: the target LM head's rows of those tokens (from the draft folder), and their target ids.
-        hidden = vllm_config.model_config.hf_text_config.hidden_size
-        self.lm_head_weight = nn.Parameter(torch.empty(vocab, hidden), requires_grad=False) if vocab else None
-        self.register_buffer("token_ids", torch.zeros(vocab, dtype=torch.long) if vocab else None)
 
     @property
     def tensor_pattern(self) -> str:
@@ -151,10 +146,8 @@ class NativeMTPHead(nn.Module):
         return out if self.final_norm is None else self.final_norm(out)
 
     def predict(self, g: torch.Tensor, target_lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        """T1 ``[B]`` and its confidence ``[B]`` for ``g`` ``[B, H]`` (`first_candidate`)."""
-        if self.lm_head_weight is None:
-            return first_candidate(g, target_lm_head.weight)
-        return first_candidate(g, self.lm_head_weight, self.token_ids)
+        """T1 ``[B]`` and its confidence ``[B]`` for ``g`` ``[B, H]`` under the target's LM head (`first_candidate`)."""
+        return first_candidate(g, target_lm_head.weight)
 
 
 @contextlib.contextmanager
